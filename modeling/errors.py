@@ -1,0 +1,51 @@
+"""One error hierarchy for mbert-export.
+
+Every error a user can cause (bad checkpoint, bad config, bad bundle, failed parity) derives
+from :class:`MbertError`; the CLIs print ``str(error)`` as one line and exit non-zero.
+``assert`` is reserved for internal invariants.
+"""
+from __future__ import annotations
+
+
+class MbertError(Exception):
+    """Base class of every error mbert-export raises on purpose."""
+
+
+class ConfigError(MbertError):
+    """A config.json value is missing or invalid (the message names the key and the file)."""
+
+
+class CheckpointError(MbertError):
+    """Weights are missing, unexpected, mis-shaped, or the file is corrupt."""
+
+
+class PoolingError(MbertError):
+    """A sentence-transformers pooling description cannot be honoured."""
+
+
+class TokenizerError(MbertError):
+    """A tokenizer file is missing or unreadable."""
+
+
+class TextFileError(MbertError):
+    """A user-supplied text file (calibration or input) is unreadable or malformed."""
+
+
+class ExportError(MbertError):
+    """Tracing or writing an ONNX graph failed."""
+
+
+class ValidationError(MbertError):
+    """An exported artifact does not match the eager model within the stated tolerance."""
+
+
+class PrecisionError(MbertError):
+    """The FP16 scan or plan cannot be honoured."""
+
+
+class EngineError(MbertError):
+    """A TensorRT engine could not be built, loaded or run."""
+
+
+class BundleError(MbertError):
+    """A bundle folder is missing, incomplete, tampered with or built for another machine."""

@@ -1,0 +1,288 @@
+"""ModernBERT for export, in forward order.
+
+Module names equal the checkpoint's tensor names, so loading is a strict ``load_state_dict``.
+Written to trace: no unpadding, no ``.item()``, no Python branch on tensor values; the band
+mask is built from positions with constant shapes. The arithmetic is the one in
+``docs/modernbert.md``; every difference from transformers' reference is a choice stated here:
+
+* Local (sliding-window) layers use *blocked* attention: the padded sequence is cut into blocks
+  of ``local_attention // 2`` queries, each block attends to itself and its two neighbours
+  (3 blocks of keys) under one constant band mask. Work and memory are linear in the sequence
+  length and the numbers equal the band-masked reference (``tests/test_local_attention.py``).
+* Masked scores are *replaced* (``where``) by ``MASK_FILL``, the most negative finite FP16
+  value, instead of adding ``-inf``: no ``-inf`` constant exists anywhere in the traced graph, so
+  an FP16 conversion cannot create an all ``-inf`` row (and NaN) for a query whose window lies in
+  padding.
+* Precision follows the weights (the usual PyTorch idiom): a layer's residual stream is kept in
+  the dtype of its norm weights, attention and MLP compute in the dtype of their matrices, and
+  softmax and LayerNorm statistics are always FP32. In an all-FP32 model every cast is a no-op;
+  ``mbert.export.precision.to_mixed_precision`` sets dtypes per layer from a measured plan and
+  the same code then traces to an ONNX graph with explicit ``Cast`` nodes at every boundary.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModernBertConfig
+
+MASK_FILL = -65504.0  # most negative finite float16; finite in float32 and bfloat16 too
+
+
+def activation(name: str):
+    """transformers' ``ACT2FN[name]`` for the activations ModernBERT configs use."""
+    tanh_gelu = lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))  # noqa: E731
+    table = {
+        "gelu": F.gelu,  # exact erf GELU
+        "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_new": tanh_gelu,
+        "gelu_accurate": tanh_gelu,
+        "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+        "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+        "silu": F.silu,
+        "swish": F.silu,
+        "relu": F.relu,
+        "mish": F.mish,
+        "tanh": torch.tanh,
+        "sigmoid": torch.sigmoid,
+    }
+    return table[name]
+
+
+class LayerNorm(nn.Module):
+    """Weight-only (or weight+bias) LayerNorm whose statistics are always computed in FP32.
+
+    The output keeps the input's dtype. For FP32 input this is exactly ``nn.LayerNorm``.
+    """
+
+    def __init__(self, dim: int, eps: float, bias: bool):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), bias, self.eps)
+        return y.to(x.dtype)
+
+
+class Probe(nn.Identity):
+    """A named point inside a forward pass (no parameters, no graph node) that the FP16 scan hooks."""
+
+
+def rope_tables(seq_len: int | torch.SymInt, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]  # [T, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE over the full head dim, computed in FP32 like the reference."""
+    xf = x.float()  # [B, H, T, hd]
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: ModernBertConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.norm = LayerNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(input_ids)  # [B, T, D]
+        return self.norm(x.to(self.norm.weight.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModernBertConfig, is_global: bool):
+        super().__init__()
+        self.is_global = is_global
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.head_dim
+        self.window = cfg.window_half_width
+        self.Wqkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.attention_bias)
+        self.scores = Probe()
+        self.Wo = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.attention_bias)
+
+    def forward(self, h, cos, sin, key_valid):
+        B, T, D = h.shape
+        qkv = self.Wqkv(h.to(self.Wqkv.weight.dtype))  # [B, T, 3D]
+        qkv = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [3, B, H, T, hd]
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        q = apply_rope(q, cos, sin) * (self.head_dim**-0.5)  # pre-scaled Q (TensorRT's fusion pattern)
+        k = apply_rope(k, cos, sin)
+        if self.is_global:
+            out = self._global(q, k, v, key_valid)
+        else:
+            out = self._local(q, k, v, key_valid)
+        out = out.transpose(1, 2).reshape(B, T, D)  # [B, T, D]
+        return self.Wo(out)
+
+    def _softmax_v(self, scores, visible, v):
+        scores = torch.where(visible, self.scores(scores), torch.full_like(scores, MASK_FILL))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
+        return probs @ v
+
+    def _global(self, q, k, v, key_valid):
+        scores = q @ k.transpose(-1, -2)  # [B, H, T, T]
+        return self._softmax_v(scores, key_valid[:, None, None, :], v)  # [B, H, T, hd]
+
+    def _local(self, q, k, v, key_valid):
+        """Band attention |i - j| <= w, in blocks of w queries against 3 blocks of keys."""
+        B, H, T, hd = q.shape
+        w = self.window
+        pad = (w - T % w) % w
+        nb = (T + pad) // w
+        qb = F.pad(q, (0, 0, 0, pad)).view(B, H, nb, w, hd)  # [B, H, nb, w, hd]
+        kb = F.pad(k, (0, 0, w, pad + w)).view(B, H, nb + 2, w, hd)
+        vb = F.pad(v, (0, 0, w, pad + w)).view(B, H, nb + 2, w, hd)
+        kn = torch.cat((kb[:, :, :-2], kb[:, :, 1:-1], kb[:, :, 2:]), dim=3)  # [B, H, nb, 3w, hd]
+        vn = torch.cat((vb[:, :, :-2], vb[:, :, 1:-1], vb[:, :, 2:]), dim=3)
+        valid = F.pad(key_valid, (w, pad + w), value=False).view(B, nb + 2, w)
+        valid = torch.cat((valid[:, :-2], valid[:, 1:-1], valid[:, 2:]), dim=2)  # [B, nb, 3w]
+        # query r of a block sits at key column w + r; it sees columns r .. r + 2w
+        r = torch.arange(w, device=q.device)[:, None]
+        c = torch.arange(3 * w, device=q.device)[None, :]
+        band = (c >= r) & (c <= r + 2 * w)  # [w, 3w], constant
+        visible = band[None, None] & valid[:, None, :, None, :]  # [B, 1, nb, w, 3w]
+        scores = qb @ kn.transpose(-1, -2)  # [B, H, nb, w, 3w]
+        out = self._softmax_v(scores, visible, vn)  # [B, H, nb, w, hd]
+        return out.reshape(B, H, nb * w, hd)[:, :, :T]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModernBertConfig):
+        super().__init__()
+        self.Wi = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.act = activation(cfg.hidden_activation)
+        self.Wo = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        g, u = self.Wi(h.to(self.Wi.weight.dtype)).chunk(2, dim=-1)  # first half is activated
+        return self.Wo(self.act(g) * u)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModernBertConfig, index: int):
+        super().__init__()
+        # layer 0 has no attn_norm tensor: the embedding norm precedes it
+        self.attn_norm = LayerNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_bias) if index > 0 else nn.Identity()
+        self.attn = Attention(cfg, cfg.is_global(index))
+        self.mlp_norm = LayerNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, key_valid):
+        x = x.to(self.mlp_norm.weight.dtype)  # the residual stream's dtype in this layer
+        x = x + self.attn(self.attn_norm(x), cos, sin, key_valid).to(x.dtype)
+        x = x + self.mlp(self.mlp_norm(x)).to(x.dtype)
+        return x  # [B, T, D]
+
+
+class ModernBertModel(nn.Module):
+    """The encoder: ``forward(input_ids, attention_mask) -> last_hidden_state [B, T, D]``."""
+
+    def __init__(self, cfg: ModernBertConfig):
+        super().__init__()
+        self.config = cfg
+        self.embeddings = Embeddings(cfg)
+        self.layers = nn.ModuleList(EncoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.final_norm = LayerNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_bias)
+        for kind, theta in (("global", cfg.global_rope_theta), ("local", cfg.local_rope_theta)):
+            exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
+            self.register_buffer(f"{kind}_inv_freq", 1.0 / (theta**exponent), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        T = input_ids.shape[1]
+        key_valid = attention_mask.bool()  # [B, T]
+        g_cos, g_sin = rope_tables(T, self.global_inv_freq)  # [T, hd] each
+        l_cos, l_sin = rope_tables(T, self.local_inv_freq)
+        x = self.embeddings(input_ids)  # [B, T, D]
+        for layer in self.layers:
+            cos, sin = (g_cos, g_sin) if layer.attn.is_global else (l_cos, l_sin)
+            x = layer(x, cos, sin, key_valid)
+        return self.final_norm(x.to(self.final_norm.weight.dtype))  # [B, T, D]
+
+
+class PredictionHead(nn.Module):
+    def __init__(self, cfg: ModernBertConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.classifier_bias)
+        self.act = activation(cfg.classifier_activation)
+        self.norm = LayerNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(x.to(self.dense.weight.dtype))))
+
+
+class ModernBertForMaskedLM(nn.Module):
+    """``forward -> logits [B, T, V]``; the decoder weight is the token embedding (tied)."""
+
+    def __init__(self, cfg: ModernBertConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = ModernBertModel(cfg)
+        self.head = PredictionHead(cfg)
+        self.decoder = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.decoder_bias)
+        if cfg.tie_word_embeddings:
+            self.decoder.weight = self.model.embeddings.tok_embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.head(self.model(input_ids, attention_mask))
+        return self.decoder(h.to(self.decoder.weight.dtype))  # [B, T, V]
+
+
+class ModernBertForSequenceClassification(nn.Module):
+    """``forward -> logits [B, num_labels]``, pooled by ``classifier_pooling`` (cls or mean)."""
+
+    def __init__(self, cfg: ModernBertConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = ModernBertModel(cfg)
+        self.head = PredictionHead(cfg)
+        self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids, attention_mask)  # [B, T, D]
+        if self.config.classifier_pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            m = attention_mask.to(hidden.dtype).unsqueeze(-1)
+            pooled = (hidden * m).sum(dim=1) / m.sum(dim=1)
+        h = self.head(pooled)  # [B, D]
+        return self.classifier(h.to(self.classifier.weight.dtype))  # [B, num_labels]
+
+
+class ModernBertForTokenClassification(nn.Module):
+    """``forward -> logits [B, T, num_labels]``."""
+
+    def __init__(self, cfg: ModernBertConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = ModernBertModel(cfg)
+        self.head = PredictionHead(cfg)
+        self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.head(self.model(input_ids, attention_mask))
+        return self.classifier(h.to(self.classifier.weight.dtype))  # [B, T, num_labels]
+
+
+MODEL_CLASSES = {
+    "encoder": ModernBertModel,
+    "masked-lm": ModernBertForMaskedLM,
+    "sequence-classification": ModernBertForSequenceClassification,
+    "token-classification": ModernBertForTokenClassification,
+}
+
+
+def build_model(cfg: ModernBertConfig) -> nn.Module:
+    """An uninitialised model of the class ``cfg.architectures`` selects."""
+    return MODEL_CLASSES[cfg.task](cfg)
