@@ -1,1 +1,13 @@
-"""x"""
+"""mbert.export: checkpoint -> validated ONNX bundle -> mixed-precision ONNX -> TensorRT engine.
+
+Small composable steps (heavy imports happen inside them, so importing this package is cheap)::
+
+    from mbert.modeling import load_model, load_pooling
+    from mbert.export.onnx import to_onnx
+    from mbert.export.precision import scan, plan, to_mixed_precision
+    from mbert.export.tensorrt import build_engine
+    from mbert.export.validate import compare
+
+``mbert.export.pipeline.export_bundle`` sequences them; ``mbert-export`` is its command line.
+"""
+__version__ = "0.1.0"

@@ -1,0 +1,200 @@
+"""Trace the eager model to ONNX with dynamic ``batch`` and ``sequence`` axes.
+
+The graph is the eager model itself (``mbert.modeling.model``), traced with the torch.export-based
+exporter, plus the checkpoint's sentence-transformers pooling for embedding checkpoints, so C++ and
+Triton callers get ``sentence_embedding`` without post-processing.
+
+Opset 18. The graph needs opset 17 for a native ``LayerNormalization`` (TensorRT maps it to its
+normalization layer; a decomposed ReduceMean/Pow/Sqrt LayerNorm triggers TensorRT's FP16 overflow
+warning and runs slower, and ONNX Runtime runs it as one fused kernel). But torch's exporter
+(2.13) writes its translations for opset 18 and its down-conversion to 17 fails on ``Pad``
+("No Adapter To Version 17 for Pad", measured), so 18 is the lowest opset it produces. Opset 18
+loads in TensorRT 10.x/11.x and ONNX Runtime 1.14+. ``--opset`` may raise it; the manifest records
+the opset read back from the written file.
+
+Why the local attention is blocked (see ``model.Attention._local``): the band-masked
+formulation needs a [B, H, T, T] score tensor in every layer (transformers' own export peaks at
+17 GB RSS at 1 x 8192), while blocks of ``local_attention // 2`` keep local layers at
+[B, H, T/64, 64, 192]: linear work and memory. The measurements behind this choice are in
+``benchmarks/results/onnx_cpu.md``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mbert.modeling.errors import ExportError
+from mbert.modeling.pooling import PoolingConfig
+
+OPSET = 18
+MIN_OPSET = 18  # see the module docstring
+PROTOBUF_LIMIT = 2 * 1024**3  # a single .onnx file cannot exceed 2 GiB: bigger weights go to external data
+INPUT_NAMES = ("input_ids", "attention_mask")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+class GraphModule(nn.Module):
+    """What the exported graph computes: the eager model, then pooling; outputs are FP32."""
+
+    def __init__(self, model: nn.Module, pooling: PoolingConfig | None):
+        super().__init__()
+        self.model = model
+        self.task = model.config.task
+        self.pooling = pooling.module() if pooling is not None and self.task == "encoder" else None
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        if self.task != "encoder":
+            return ("logits",)
+        return ("last_hidden_state", "sentence_embedding") if self.pooling is not None else ("last_hidden_state",)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        out = self.model(input_ids, attention_mask)
+        if self.task != "encoder":
+            return out.float()  # logits
+        hidden = out.float()  # [B, T, D]
+        if self.pooling is None:
+            return hidden
+        return hidden, self.pooling(hidden, attention_mask)  # [B, T, D], [B, D']
+
+    def output_specs(self) -> list[TensorSpec]:
+        cfg = self.model.config
+        shapes = {
+            "last_hidden_state": ("batch", "sequence", cfg.hidden_size),
+            "sentence_embedding": ("batch", cfg.hidden_size * (len(self.pooling.modes) if self.pooling else 1)),
+            "logits": {
+                "masked-lm": ("batch", "sequence", cfg.vocab_size),
+                "sequence-classification": ("batch", cfg.num_labels),
+                "token-classification": ("batch", "sequence", cfg.num_labels),
+            }.get(self.task),
+        }
+        return [TensorSpec(n, "float32", shapes[n]) for n in self.output_names]
+
+
+def input_specs() -> list[TensorSpec]:
+    return [TensorSpec(n, "int64", ("batch", "sequence")) for n in INPUT_NAMES]
+
+
+def to_onnx(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    pooling: PoolingConfig | None = None,
+    opset: int = OPSET,
+    max_seq_len: int | None = None,
+) -> list[TensorSpec]:
+    """Export ``model`` (FP32 or mixed precision) to ``path``; returns the graph's I/O specs."""
+    if opset < MIN_OPSET:
+        raise ExportError(f"opset {opset} is too low: LayerNormalization needs 17 and torch's exporter "
+                          f"writes {MIN_OPSET} or newer")
+    path = Path(path)
+    graph = GraphModule(model, pooling).eval()
+    cfg = model.config
+    max_seq_len = max_seq_len or cfg.max_position_embeddings
+    # Example shapes distinct from every static dim, so the tracer cannot confuse them.
+    example_len = min(max_seq_len, 2 * cfg.window_half_width + 3)
+    ids = torch.full((2, example_len), cfg.pad_token_id, dtype=torch.int64)
+    ids[:, 0] = cfg.cls_token_id if cfg.cls_token_id is not None else 0
+    mask = torch.ones_like(ids)
+    mask[1, example_len // 2 :] = 0
+    device = next(model.parameters()).device
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    seq = torch.export.Dim("sequence", min=1, max=max(max_seq_len, 2))
+    dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+    try:
+        with warnings.catch_warnings(), _quiet_loggers("torch.onnx", "onnxscript", "torch.export"):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                graph,
+                (ids.to(device), mask.to(device)),
+                None,
+                input_names=list(INPUT_NAMES),
+                output_names=list(graph.output_names),
+                opset_version=opset,
+                dynamo=True,
+                dynamic_shapes=dynamic,
+                optimize=True,
+                verbose=False,
+            )
+    except Exception as exc:  # the exporter raises many types; all mean the trace failed
+        raise ExportError(f"tracing {cfg.source} to ONNX failed: {type(exc).__name__}: {_first_line(exc)}") from exc
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    external = n_bytes > PROTOBUF_LIMIT - 64 * 1024**2
+    path.parent.mkdir(parents=True, exist_ok=True)
+    program.save(str(path), external_data=external)
+    check_graph(path)
+    return input_specs() + graph.output_specs()
+
+
+def graph_opset(path: str | Path) -> int:
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    return max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+
+
+@contextlib.contextmanager
+def _quiet_loggers(*names: str):
+    """The exporter logs warnings about unrelated packages (torchvision ops); keep the CLI readable."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def check_graph(path: str | Path) -> None:
+    """The ONNX checker passes, and no initializer or constant holds an infinity or NaN."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    path = Path(path)
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as exc:
+        raise ExportError(f"{path}: ONNX checker rejected the graph: {_first_line(exc)}") from exc
+    proto = onnx.load(str(path))
+    bad = []
+    for init in proto.graph.initializer:
+        arr = numpy_helper.to_array(init, base_dir=str(path.parent))
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            bad.append(f"initializer {init.name}")
+    for node in proto.graph.node:
+        if node.op_type in ("Constant", "ConstantOfShape"):
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.TENSOR:
+                    arr = numpy_helper.to_array(attr.t)
+                    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                        bad.append(f"constant {node.name}")
+                elif attr.type == onnx.AttributeProto.FLOAT and not math.isfinite(attr.f):
+                    bad.append(f"constant {node.name}")
+    if bad:
+        raise ExportError(f"{path}: non-finite constants in the graph: {', '.join(bad[:10])}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

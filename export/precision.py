@@ -1,0 +1,275 @@
+"""FP16 that is proven safe: scan, plan, mixed precision.
+
+``scan(model, texts)`` runs the eager FP32 model over calibration text and records, per layer
+and per site where FP16 could overflow, the max |x| and a high percentile. ``plan(report)``
+decides what stays FP32: matrix products in FP16; softmax and LayerNorm statistics always in
+FP32 (the arithmetic says so: exp-sums over 8192 keys and squared activations leave FP16's range
+or precision regardless of the data, and the cost is a handful of element-wise ops); the residual
+stream, attention or MLP of a layer in FP32 exactly where the scan measured a value above
+``65504 / margin``. ``to_mixed_precision(model, plan)`` returns the eager model with those
+dtypes; traced with ``mbert.export.onnx.to_onnx`` it becomes ``model.fp16.onnx`` with an explicit
+``Cast`` at every boundary (precision lives in the graph, as strongly typed TensorRT needs).
+
+Why the mixed graph is traced rather than rewritten: the eager model's precision follows its
+weights (see ``mbert.modeling.model``), so the plan is applied once, to parameters, and the ONNX
+graph, the PyTorch CUDA check and the plan cannot disagree; rewriting an exported graph would
+mean matching node names to layers.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from mbert.modeling.errors import PrecisionError
+from mbert.modeling.model import Probe
+
+FP16_MAX = 65504.0
+# 8x (three binary orders of magnitude) headroom by default: the scan sees a finite sample of
+# text, activations grow with input length and content (gte-modernbert-base peaks at 81% of the
+# FP16 limit on one 950-token input), fine-tunes shift magnitudes, and FP16 matmul accumulators
+# can exceed the magnitude of the stored output. A site measured above 65504/8 = 8188 stays FP32.
+DEFAULT_MARGIN = 8.0
+PERCENTILE = 99.9
+_SAMPLE = 1 << 16  # elements sampled (evenly strided) per tensor for the percentile: 65 above p99.9
+
+# site -> which group of a layer it belongs to
+LAYER_SITES = {
+    "resid_in": "residual",  # the residual stream entering the layer
+    "attn.Wqkv": "attention",  # Wqkv output
+    "attn.scores": "attention",  # q k^T / sqrt(d), before masking
+    "attn.out": "attention",  # softmax(..) v, the input of Wo
+    "attn.Wo": "attention",  # attention branch output
+    "resid_attn": "residual",  # residual stream after attention (input of mlp_norm)
+    "mlp.Wi": "mlp",  # Wi output (gate and up)
+    "mlp.act": "mlp",  # act(g) * u, the input of mlp.Wo
+    "mlp.Wo": "mlp",  # MLP branch output
+    "resid_mlp": "residual",  # residual stream after the MLP (the layer's output)
+}
+
+
+@dataclass
+class SiteStat:
+    layer: int | None  # None for model-level sites
+    site: str
+    max_abs: float
+    percentile: float  # the PERCENTILE-th percentile of |x|
+
+    @property
+    def headroom(self) -> float:
+        return FP16_MAX / self.max_abs if self.max_abs > 0 else float("inf")
+
+
+@dataclass
+class ScanReport:
+    stats: list[SiteStat]
+    num_texts: int
+    num_tokens: int
+    max_len: int
+    percentile: float = PERCENTILE
+
+    def get(self, layer: int | None, site: str) -> SiteStat:
+        for s in self.stats:
+            if s.layer == layer and s.site == site:
+                return s
+        raise KeyError((layer, site))
+
+    def to_dict(self) -> dict:
+        return {"num_texts": self.num_texts, "num_tokens": self.num_tokens, "max_len": self.max_len,
+                "percentile": self.percentile, "stats": [asdict(s) for s in self.stats]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ScanReport":
+        return cls([SiteStat(**s) for s in d["stats"]], d["num_texts"], d["num_tokens"], d["max_len"], d["percentile"])
+
+
+@torch.no_grad()
+def scan(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ScanReport:
+    """Max |x| and a high percentile at every FP16-sensitive site, over ``batches`` of (ids, mask).
+
+    Run the model in FP32; pass one text per batch (no padding) so padded positions cannot
+    inflate or hide a value.
+    """
+    encoder = model if hasattr(model, "layers") else model.model
+    if encoder.final_norm.weight.dtype != torch.float32:
+        raise PrecisionError("scan needs the FP32 model (load it with dtype=None)")
+    acc: dict[tuple[int | None, str], list[float]] = {}
+
+    def record(key, t: torch.Tensor):
+        a = t.detach().abs().float().flatten()
+        step = max(1, a.numel() // _SAMPLE)
+        sample = a[::step]
+        pct = float(torch.quantile(sample[:_SAMPLE], PERCENTILE / 100)) if sample.numel() else 0.0
+        m = float(a.max()) if a.numel() else 0.0
+        prev = acc.get(key)
+        acc[key] = [max(m, prev[0]), max(pct, prev[1])] if prev else [m, pct]
+
+    hooks = []
+
+    def out_hook(key):
+        return lambda mod, args, out: record(key, out)
+
+    def in_hook(key):
+        return lambda mod, args: record(key, args[0])
+
+    for i, layer in enumerate(encoder.layers):
+        hooks += [
+            layer.register_forward_pre_hook(in_hook((i, "resid_in"))),
+            layer.attn.Wqkv.register_forward_hook(out_hook((i, "attn.Wqkv"))),
+            layer.attn.scores.register_forward_hook(out_hook((i, "attn.scores"))),
+            layer.attn.Wo.register_forward_pre_hook(in_hook((i, "attn.out"))),
+            layer.attn.Wo.register_forward_hook(out_hook((i, "attn.Wo"))),
+            layer.mlp_norm.register_forward_pre_hook(in_hook((i, "resid_attn"))),
+            layer.mlp.Wi.register_forward_hook(out_hook((i, "mlp.Wi"))),
+            layer.mlp.Wo.register_forward_pre_hook(in_hook((i, "mlp.act"))),
+            layer.mlp.Wo.register_forward_hook(out_hook((i, "mlp.Wo"))),
+            layer.register_forward_hook(out_hook((i, "resid_mlp"))),
+        ]
+    hooks += [
+        encoder.embeddings.tok_embeddings.register_forward_hook(out_hook((None, "embeddings"))),
+        encoder.final_norm.register_forward_pre_hook(in_hook((None, "final_norm.input"))),
+    ]
+    assert sum(isinstance(m, Probe) for m in encoder.modules()) == len(encoder.layers)
+    tokens, max_len = 0, 0
+    try:
+        for ids, mask in batches:
+            model(ids, mask)
+            tokens += int(mask.sum())
+            max_len = max(max_len, ids.shape[1])
+    finally:
+        for h in hooks:
+            h.remove()
+    stats = [SiteStat(k[0], k[1], v[0], v[1]) for k, v in acc.items()]
+    order = {s: n for n, s in enumerate(["embeddings", *LAYER_SITES, "final_norm.input"])}
+    stats.sort(key=lambda s: (-1 if s.layer is None and s.site == "embeddings" else (1 << 20 if s.layer is None else s.layer), order[s.site]))
+    return ScanReport(stats, len(batches), tokens, max_len)
+
+
+@dataclass
+class LayerPlan:
+    layer: int
+    residual: str = "float16"
+    attention: str = "float16"
+    mlp: str = "float16"
+
+
+@dataclass
+class Decision:
+    layer: int | None
+    site: str
+    max_abs: float
+    precision: str
+    why: str
+
+
+@dataclass
+class Plan:
+    margin: float
+    layers: list[LayerPlan]
+    final_norm: str = "float16"
+    decisions: list[Decision] = field(default_factory=list)
+    always_fp32: tuple[str, ...] = ("softmax statistics", "LayerNorm statistics", "RoPE tables", "outputs")
+
+    @property
+    def limit(self) -> float:
+        return FP16_MAX / self.margin
+
+    def fp32_layers(self) -> list[int]:
+        return [lp.layer for lp in self.layers if "float32" in (lp.residual, lp.attention, lp.mlp)]
+
+    def to_dict(self) -> dict:
+        return {"margin": self.margin, "limit": self.limit, "final_norm": self.final_norm,
+                "always_fp32": list(self.always_fp32),
+                "layers": [asdict(lp) for lp in self.layers], "decisions": [asdict(d) for d in self.decisions]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        return cls(d["margin"], [LayerPlan(**lp) for lp in d["layers"]], d["final_norm"],
+                   [Decision(**x) for x in d["decisions"]], tuple(d["always_fp32"]))
+
+
+def plan(report: ScanReport, margin: float = DEFAULT_MARGIN) -> Plan:
+    """FP32 exactly where a measured max |x| exceeds 65504 / margin; FP16 everywhere else."""
+    if not margin >= 1:
+        raise PrecisionError(f"margin must be >= 1 (a fraction of the FP16 range), got {margin}")
+    limit = FP16_MAX / margin
+    n_layers = 1 + max(s.layer for s in report.stats if s.layer is not None)
+    layers = [LayerPlan(i) for i in range(n_layers)]
+    decisions = []
+    for s in report.stats:
+        if s.max_abs <= limit:
+            continue
+        why = f"max |x| {s.max_abs:.4g} > 65504/{margin:g} = {limit:.4g} (headroom {s.headroom:.2f}x)"
+        if s.layer is None:
+            if s.site == "final_norm.input":
+                layers[-1].residual = "float32"
+                decisions.append(Decision(None, s.site, s.max_abs, "float32", why + ": final norm input and last residual"))
+                continue
+            raise PrecisionError(f"{s.site} reaches {s.max_abs:.4g}: the embedding table itself does not fit FP16 with margin {margin:g}")
+        group = LAYER_SITES[s.site]
+        setattr(layers[s.layer], group, "float32")
+        what = {"residual": "residual stream and its LayerNorms", "attention": "attention (Wqkv, scores, Wo)",
+                "mlp": "MLP (Wi, act, Wo)"}[group]
+        decisions.append(Decision(s.layer, s.site, s.max_abs, "float32", f"{why}: {what} of layer {s.layer} in FP32"))
+        if s.site == "resid_in" and s.layer > 0:  # the value was produced by the previous layer
+            layers[s.layer - 1].residual = "float32"
+    final = "float32" if layers[-1].residual == "float32" else "float16"
+    return Plan(margin, layers, final, decisions)
+
+
+def to_mixed_precision(model: nn.Module, plan_: Plan) -> nn.Module:
+    """A copy of the FP32 eager model with every parameter in the dtype the plan gives it."""
+    encoder_of = lambda m: m if hasattr(m, "layers") else m.model  # noqa: E731
+    if len(plan_.layers) != len(encoder_of(model).layers):
+        raise PrecisionError(f"the plan has {len(plan_.layers)} layers, the model {len(encoder_of(model).layers)}")
+    mixed = copy.deepcopy(model)
+    dt = {"float16": torch.float16, "float32": torch.float32}
+    enc = encoder_of(mixed)
+    for module in mixed.modules():  # heads, embeddings: matrices FP16 (statistics stay FP32 inside)
+        for name, p in module.named_parameters(recurse=False):
+            p.data = p.data.to(torch.float16)
+    for lp, layer in zip(plan_.layers, enc.layers):
+        for norm in (layer.attn_norm, layer.mlp_norm):
+            for p in norm.parameters():
+                p.data = p.data.to(dt[lp.residual])
+        for p in layer.attn.parameters():
+            p.data = p.data.to(dt[lp.attention])
+        for p in layer.mlp.parameters():
+            p.data = p.data.to(dt[lp.mlp])
+    enc.embeddings.norm.weight.data = enc.embeddings.norm.weight.data.to(dt[plan_.layers[0].residual])
+    enc.final_norm.weight.data = enc.final_norm.weight.data.to(dt[plan_.final_norm])
+    for norm in (enc.embeddings.norm, enc.final_norm):
+        if norm.bias is not None:
+            norm.bias.data = norm.bias.data.to(norm.weight.dtype)
+    return mixed.eval()
+
+
+def save_precision(path: Path, report: ScanReport, plan_: Plan, validation: dict | None = None) -> None:
+    data = {"scan": report.to_dict(), "plan": plan_.to_dict()}
+    if validation is not None:
+        data["validation"] = validation
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def load_precision(path: Path) -> tuple[ScanReport, Plan]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return ScanReport.from_dict(data["scan"]), Plan.from_dict(data["plan"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PrecisionError(f"{path}: not a valid precision.json ({exc})") from exc
+
+
+def scan_table(report: ScanReport, plan_: Plan) -> list[tuple[str, str, str, str, str, str]]:
+    """Rows (layer, site, max |x|, p99.9, headroom, verdict) for printing."""
+    rows = []
+    for s in report.stats:
+        fp32 = any(d.layer == s.layer and d.site == s.site for d in plan_.decisions)
+        verdict = "OVERFLOW" if s.max_abs >= FP16_MAX else ("FP32" if fp32 else "fp16 ok")
+        rows.append(("-" if s.layer is None else str(s.layer), s.site, f"{s.max_abs:.4g}", f"{s.percentile:.4g}",
+                     f"{s.headroom:.1f}x", verdict))
+    return rows

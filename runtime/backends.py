@@ -1,0 +1,296 @@
+"""The runtime's backends behind one small interface.
+
+* ``tensorrt``: the bundle's ``model.plan`` through :class:`mbert.export.tensorrt.TensorRTRunner`
+  (FP16 as the plan was built). A TensorRT execution context is not thread-safe: calls are
+  serialized with a lock (one context, so GPU memory does not grow with the number of threads).
+* ``onnxruntime-cuda`` / ``onnxruntime-cpu``: ONNX Runtime. On CUDA the mixed-precision
+  ``model.fp16.onnx`` by default, on CPU the FP32 ``model.onnx`` (``precision`` overrides).
+  ``InferenceSession.run`` is thread-safe, so calls run concurrently.
+* ``eager``: the PyTorch reference (the exporter's ``GraphModule`` on the source checkpoint; a
+  bundle holds no PyTorch weights). FP32 only. Forward passes of an eval module are thread-safe.
+
+Every backend pads by the same rule (:func:`padded_length`): the longest row rounded up to a
+multiple of 8, moved into the range of a TensorRT optimization profile when there are profiles.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from mbert.modeling.errors import BundleError, EngineError
+
+from . import checks
+
+log = logging.getLogger("mbert.runtime")
+PAD_MULTIPLE = 8
+BACKENDS = ("auto", "tensorrt", "onnxruntime", "onnxruntime-cuda", "onnxruntime-cpu", "eager")
+_ALIASES = {"trt": "tensorrt", "ort": "onnxruntime", "onnx": "onnxruntime", "torch": "eager", "pytorch": "eager"}
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the Encoder needs from a backend."""
+
+    name: str  # "tensorrt", "onnxruntime-cuda", "onnxruntime-cpu", "eager"
+    precision: str  # "fp32" or "fp16"
+    artifact: str  # the bundle file (or source) it runs
+    input_names: list[str]
+    output_names: list[str]
+    max_batch: int | None  # largest batch it accepts (None: no limit)
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+            outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]: ...
+
+    def accepts(self, batch: int, seq: int) -> bool: ...
+
+    def pad_to(self, seq: int, batch: int = 1) -> int: ...
+
+
+def round_up(n: int, multiple: int = PAD_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
+def padded_length(seq: int, batch: int, max_seq: int, profiles: Sequence[Any] | None = None) -> int:
+    """Length to pad a batch whose longest row has ``seq`` tokens: ``seq`` rounded up to a multiple of
+    8, capped at ``max_seq``; with TensorRT profiles, the smallest such length some profile covering
+    ``batch`` accepts (raised to the profile's minimum, capped at its maximum)."""
+    if not profiles:
+        return max(seq, min(round_up(seq), max_seq))
+    best = None
+    for p in profiles:
+        if not p.min[0] <= batch <= p.max[0] or seq > p.max[1]:
+            continue
+        length = min(max(round_up(seq), p.min[1]), p.max[1])
+        best = length if best is None else min(best, length)
+    if best is None:
+        listed = "; ".join(str(p) for p in profiles)
+        raise EngineError(f"no optimization profile accepts batch {batch} x {seq} tokens (profiles: {listed})")
+    return best
+
+
+class _Padding:
+    max_seq: int
+    profiles: list | None = None
+
+    @property
+    def max_batch(self) -> int | None:
+        return max(p.max[0] for p in self.profiles) if self.profiles else None
+
+    def accepts(self, batch: int, seq: int) -> bool:
+        if self.profiles:
+            return any(p.covers(batch, seq) for p in self.profiles)
+        return 1 <= seq <= self.max_seq
+
+    def pad_to(self, seq: int, batch: int = 1) -> int:
+        return padded_length(seq, batch, self.max_seq, self.profiles)
+
+
+class OrtBackend(_Padding):
+    def __init__(self, path: Path, max_seq: int, *, cuda: bool, precision: str, threads: int | None = None,
+                 device_id: int = 0):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        providers: list = [("CUDAExecutionProvider", {"device_id": device_id})] if cuda else []
+        providers.append("CPUExecutionProvider")
+        self.session = ort.InferenceSession(str(path), opts, providers=providers)
+        on_cuda = self.session.get_providers()[0] == "CUDAExecutionProvider"
+        if cuda and not on_cuda:
+            raise BundleError(f"ONNX Runtime could not use CUDA for {path.name} (no usable GPU?)")
+        self.name = "onnxruntime-cuda" if on_cuda else "onnxruntime-cpu"
+        self.precision, self.artifact, self.max_seq = precision, path.name, max_seq
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, input_ids, attention_mask, outputs=None):
+        names = list(outputs) if outputs else self.output_names
+        got = self.session.run(names, {"input_ids": input_ids, "attention_mask": attention_mask})
+        return dict(zip(names, got))
+
+
+class TensorRTBackend(_Padding):
+    def __init__(self, plan: Path, max_seq: int, device_id: int = 0):
+        from mbert.export.tensorrt import TensorRTRunner, load_engine
+
+        loaded = load_engine(plan)
+        self.runner = TensorRTRunner(loaded, device=device_id)
+        self.profiles = list(loaded.profiles)
+        self.name, self.precision, self.artifact, self.max_seq = "tensorrt", "fp16", plan.name, max_seq
+        self.input_names, self.output_names = list(loaded.input_names), list(loaded.output_names)
+        self._lock = threading.Lock()
+
+    def run(self, input_ids, attention_mask, outputs=None):
+        with self._lock:
+            got = self.runner.run(input_ids=input_ids, attention_mask=attention_mask)
+        return {k: v for k, v in got.items() if not outputs or k in outputs}
+
+
+class EagerBackend(_Padding):
+    def __init__(self, graph_module, max_seq: int, device: Any = "cpu", artifact: str = "eager"):
+        import torch
+
+        self.torch, self.graph = torch, graph_module.eval()
+        self.device = torch.device(device)
+        self.name, self.precision, self.artifact, self.max_seq = "eager", "fp32", artifact, max_seq
+        self.input_names = ["input_ids", "attention_mask"]
+        self.output_names = list(graph_module.output_names)
+
+    def run(self, input_ids, attention_mask, outputs=None):
+        torch = self.torch
+        with torch.inference_mode():
+            out = self.graph(torch.from_numpy(np.ascontiguousarray(input_ids)).to(self.device),
+                             torch.from_numpy(np.ascontiguousarray(attention_mask)).to(self.device))
+        out = out if isinstance(out, tuple) else (out,)
+        return {n: o.float().cpu().numpy() for n, o in zip(self.output_names, out) if not outputs or n in outputs}
+
+
+# --- choosing --------------------------------------------------------------------------------------
+
+@dataclass
+class BackendStatus:
+    name: str
+    usable: bool
+    reason: str
+
+
+def normalize_name(backend: str) -> str:
+    name = _ALIASES.get(backend.lower(), backend.lower())
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    return name
+
+
+def _ort_cuda_available() -> tuple[bool, str]:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return False, "onnxruntime is not installed (pip install 'mbert-export[cpu]' or '[gpu]')"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False, f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (install onnxruntime-gpu)"
+    if checks.current_gpu()[1] == "none":
+        return False, "no CUDA GPU visible"
+    return True, ""
+
+
+def _trt_status(bundle: Path, manifest: dict) -> tuple[bool, str]:
+    if not (manifest.get("artifacts") or {}).get("engine"):
+        return False, f"the bundle has no model.plan (build one on a GPU machine: mbert-export --engine-only {bundle})"
+    from mbert.export.tensorrt import tensorrt_available
+
+    ok, reason = tensorrt_available()
+    if not ok:
+        return False, reason
+    import tensorrt as trt
+
+    problems = checks.engine_problems(manifest.get("engine"), trt.__version__, checks.current_gpu()[1])
+    if problems:
+        return False, "; ".join(problems) + f" (rebuild: mbert-export --engine-only {bundle})"
+    return True, ""
+
+
+def backend_statuses(bundle: Path, manifest: dict, source: str | Path | None = None) -> list[BackendStatus]:
+    """Which backends can run this bundle on this machine, and why not where they cannot."""
+    arts = manifest.get("artifacts") or {}
+    out = [BackendStatus("tensorrt", *_trt_status(bundle, manifest))]
+    ok, why = _ort_cuda_available()
+    fp16 = "model.fp16.onnx" if arts.get("onnx_fp16") else "model.onnx (no FP16 graph in the bundle)"
+    out.append(BackendStatus("onnxruntime-cuda", ok, f"runs {fp16}" if ok else why))
+    try:
+        import onnxruntime  # noqa: F401
+
+        out.append(BackendStatus("onnxruntime-cpu", True, "runs model.onnx (FP32)"))
+    except ImportError:
+        out.append(BackendStatus("onnxruntime-cpu", False, "onnxruntime is not installed"))
+    try:
+        where = checks.eager_source(bundle, manifest, source)
+        out.append(BackendStatus("eager", True, f"loads the source checkpoint {where}"))
+    except BundleError as exc:
+        out.append(BackendStatus("eager", False, str(exc).split(": ", 1)[-1]))
+    return out
+
+
+def _device(device: str | None) -> tuple[str | None, int]:
+    if device is None:
+        return None, 0
+    kind, _, index = str(device).partition(":")
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return kind, int(index or 0)
+
+
+def open_backend(bundle: Path, manifest: dict, backend: str = "auto", device: str | None = None,
+                 precision: str | None = None, *, threads: int | None = None, source=None,
+                 max_seq: int | None = None) -> Backend:
+    """Load the backend ``backend`` asks for (``auto``: TensorRT, then ONNX Runtime CUDA, then CPU)."""
+    name = normalize_name(backend)
+    if precision not in (None, "fp32", "fp16"):
+        raise ValueError(f"precision must be 'fp32' or 'fp16', got {precision!r}")
+    kind, index = _device(device)
+    arts = manifest.get("artifacts") or {}
+    max_seq = max_seq or manifest["max_seq_len"]
+    if name == "auto":
+        if kind != "cpu" and precision != "fp32" and arts.get("engine"):
+            from mbert.export.tensorrt import tensorrt_available
+
+            if tensorrt_available()[0]:
+                name = "tensorrt"  # an engine for another GPU or TensorRT is refused below, not skipped
+        if name == "auto":
+            name = "onnxruntime-cuda" if kind != "cpu" and _ort_cuda_available()[0] else "onnxruntime-cpu"
+            if kind == "cuda" and name == "onnxruntime-cpu":
+                raise BundleError(f"device {device!r} asked for, but neither TensorRT nor ONNX Runtime CUDA "
+                                  f"can run here: {_ort_cuda_available()[1]}")
+    elif name == "onnxruntime":
+        name = "onnxruntime-cpu" if kind == "cpu" or not _ort_cuda_available()[0] else "onnxruntime-cuda"
+
+    if name == "tensorrt":
+        if precision == "fp32":
+            raise ValueError("the TensorRT plan is FP16; use backend='onnxruntime' for precision='fp32'")
+        if kind == "cpu":
+            raise ValueError("TensorRT runs on a GPU; device='cpu' contradicts backend='tensorrt'")
+        if not arts.get("engine"):
+            raise BundleError(f"{bundle}: has no TensorRT engine; build it with: mbert-export --engine-only {bundle}")
+        from mbert.export.tensorrt import tensorrt_available
+
+        ok, reason = tensorrt_available()
+        if not ok:
+            raise EngineError(f"TensorRT cannot run here: {reason}")
+        import tensorrt as trt
+
+        checks.check_engine(bundle, manifest, trt.__version__, checks.current_gpu(index)[1])
+        b: Backend = TensorRTBackend(bundle / arts["engine"], max_seq, index)
+        want = manifest["engine"].get("profiles")
+        got = [p.as_lists() for p in b.profiles]
+        if want is not None and want != got:
+            raise BundleError(f"{bundle}: model.plan's optimization profiles {got} are not the manifest's {want}; "
+                              f"rebuild with: mbert-export --engine-only {bundle}")
+    elif name.startswith("onnxruntime"):
+        cuda = name == "onnxruntime-cuda"
+        if cuda and not _ort_cuda_available()[0]:
+            raise BundleError(f"ONNX Runtime CUDA cannot run here: {_ort_cuda_available()[1]}")
+        if cuda and kind == "cpu":
+            raise ValueError("backend 'onnxruntime-cuda' contradicts device='cpu'")
+        want = precision or ("fp16" if cuda and arts.get("onnx_fp16") else "fp32")
+        if want == "fp16" and not arts.get("onnx_fp16"):
+            raise BundleError(f"{bundle}: has no model.fp16.onnx for precision='fp16'; re-export with --fp16")
+        artifact = arts["onnx_fp16"] if want == "fp16" else arts["onnx_fp32"]
+        b = OrtBackend(bundle / artifact, max_seq, cuda=cuda, precision=want, threads=threads, device_id=index)
+    else:  # eager
+        if precision == "fp16":
+            raise ValueError("the eager backend is the FP32 reference; precision='fp16' needs onnxruntime or tensorrt")
+        from mbert.export.onnx import GraphModule
+        from mbert.modeling import PoolingConfig
+
+        torch_device = "cpu" if kind in (None, "cpu") else f"cuda:{index}"
+        model = checks.load_eager_model(bundle, manifest, source, device=torch_device)
+        pooling = PoolingConfig.from_dict(manifest["pooling"]) if manifest.get("pooling") else None
+        b = EagerBackend(GraphModule(model, pooling), max_seq, torch_device, artifact=str(model.source.path))
+    checks.check_graph_io(bundle, manifest, b.artifact, b.input_names, b.output_names)
+    log.info("mbert.runtime: %s runs on %s (%s, %s)", bundle.name, b.name, b.artifact, b.precision)
+    return b

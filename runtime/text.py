@@ -1,0 +1,155 @@
+"""Tokenization, batching and pooling: the runtime's work around the backend call.
+
+Tokenization uses the bundle's own ``tokenizer.json`` through ``tokenizers`` (the Rust tokenizer
+transformers' fast tokenizers wrap), truncated like sentence-transformers (``longest_first`` to
+the bundle's max length, special tokens counted). The tokenizer is configured once when the
+Encoder opens and only read afterwards; ``tokenizers.Tokenizer`` is ``Sync`` in Rust and its
+encode calls take it by shared reference, so threads share it without a lock.
+
+Pooling here is the numpy twin of ``mbert.modeling.pooling.Pooling`` (the module inside the
+graph), used when pooling must happen outside the graph: prompt tokens excluded
+(``include_prompt: false``), the caller overriding normalization, or a bundle without pooling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from mbert.modeling.errors import TokenizerError
+
+MASK_FILL = -65504.0  # as mbert.modeling.model.MASK_FILL: the pooling module's fill for max pooling
+
+
+@dataclass
+class EncodeStats:
+    """What one encode/predict/fill_mask call did (``Encoder.last_stats``, per thread)."""
+
+    texts: int = 0
+    tokens: int = 0  # real tokens, special tokens included
+    padded_tokens: int = 0  # tokens the backend processed (padding included)
+    truncated: int = 0  # inputs cut to the max length
+    truncated_indices: list[int] = field(default_factory=list)
+    batches: int = 0
+    tokenize_s: float = 0.0
+    batching_s: float = 0.0  # sorting, building padded arrays, restoring order
+    backend_s: float = 0.0
+    pooling_s: float = 0.0  # pooling / normalization / softmax done in the runtime
+    total_s: float = 0.0
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Share of the call's time spent outside the backend."""
+        return 1.0 - self.backend_s / self.total_s if self.total_s > 0 else 0.0
+
+
+class TextEncoder:
+    """The bundle's tokenizer, truncating to ``max_len`` (no padding: batches pad themselves)."""
+
+    def __init__(self, path: Path, max_len: int):
+        from tokenizers import Tokenizer
+
+        if not path.is_file():
+            raise TokenizerError(f"{path}: tokenizer.json not found")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - the Rust side raises Exception
+            raise TokenizerError(f"{path}: unreadable tokenizer ({exc})") from exc
+        tok.no_padding()
+        tok.enable_truncation(max_len)  # strategy longest_first, side right: as transformers' defaults
+        self.tokenizer, self.max_len = tok, max_len
+        self.mask_token_id = tok.token_to_id("[MASK]")
+        self._prompt_lengths: dict[str, int] = {}
+
+    def encode(self, inputs: Sequence) -> list:
+        return self.tokenizer.encode_batch(list(inputs)) if inputs else []
+
+    def prompt_length(self, prompt: str, special_ids: set[int]) -> int:
+        """Tokens a prompt occupies at the start of an input, [CLS] included: sentence-transformers'
+        rule (the prompt tokenized alone, less a trailing special token)."""
+        if prompt not in self._prompt_lengths:
+            ids = self.tokenizer.encode(prompt).ids
+            n = len(ids) - (1 if ids and ids[-1] in special_ids else 0)
+            self._prompt_lengths[prompt] = n
+        return self._prompt_lengths[prompt]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+MIN_FILL = 0.75  # a row joins a batch only if it fills this share of the batch's padded length ...
+SHORT = 64  # ... unless the batch's padded length is at most this (short texts batch freely)
+
+
+def plan_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int,
+                 pad_to: Callable[[int, int], int], max_batch: int | None = None) -> Iterator[list[int]]:
+    """Indices grouped into batches: longest first (so the largest batch, and any memory error,
+    comes first), each cut by count (``batch_size``, and the backend's ``max_batch``), by padded
+    tokens (rows x the batch's padded length <= ``max_batch_tokens``; a longer single row runs alone)
+    and by padding waste (a row shorter than ``MIN_FILL`` of the padded length starts a new batch,
+    except among texts of at most ``SHORT`` tokens, where per-call overhead outweighs padding)."""
+    cap = min(batch_size, max_batch) if max_batch else batch_size
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batch: list[int] = []
+    for i in order:
+        if batch:
+            n = len(batch) + 1
+            padded = pad_to(lengths[batch[0]], n)
+            if n > cap or n * padded > max_batch_tokens or (padded > SHORT and lengths[i] < MIN_FILL * padded):
+                yield batch
+                batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def pad_batch(rows: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded int64 ids and attention mask of shape [len(rows), length]."""
+    ids = np.full((len(rows), length), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), length), dtype=np.int64)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = row
+        mask[r, : len(row)] = 1
+    return ids, mask
+
+
+def pool(hidden: np.ndarray, mask: np.ndarray, modes: Sequence[str], normalize: bool) -> np.ndarray:
+    """``Pooling.forward`` in numpy: [B, T, D] float32, [B, T] 0/1 -> [B, D * len(modes)] float32."""
+    hidden = np.asarray(hidden, dtype=np.float32)
+    m = mask.astype(np.float32)
+    rows = np.arange(hidden.shape[0])
+    count = np.maximum(m.sum(axis=1, keepdims=True), 1e-9)
+    out = []
+    for mode in modes:
+        if mode == "cls":  # the first token the mask keeps
+            out.append(hidden[rows, mask.astype(np.int32).argmax(axis=1)])
+        elif mode == "max":
+            out.append(np.where(m[..., None] > 0, hidden, np.float32(MASK_FILL)).max(axis=1))
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            s = np.einsum("btd,bt->bd", hidden, m)
+            out.append(s / (count if mode == "mean" else np.sqrt(count)))
+        elif mode == "weightedmean":
+            w = m * np.arange(1, hidden.shape[1] + 1, dtype=np.float32)[None, :]
+            out.append(np.einsum("btd,bt->bd", hidden, w) / np.maximum(w.sum(axis=1, keepdims=True), 1e-9))
+        elif mode == "lasttoken":
+            last = np.maximum(mask.astype(np.int64).sum(axis=1) - 1, 0)
+            out.append(hidden[rows, last])
+        else:
+            raise ValueError(f"unsupported pooling mode {mode!r}")
+    pooled = out[0] if len(out) == 1 else np.concatenate(out, axis=-1)
+    pooled = pooled.astype(np.float32, copy=False)
+    return l2_normalize(pooled) if normalize else pooled
+
+
+def l2_normalize(x: np.ndarray) -> np.ndarray:
+    """``torch.nn.functional.normalize(x, p=2, dim=-1)`` (eps 1e-12), as sentence-transformers' Normalize."""
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    return (x / np.maximum(norm, 1e-12)).astype(np.float32, copy=False)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)

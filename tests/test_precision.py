@@ -1,0 +1,143 @@
+"""FP16 proven safe: the scan finds the overflowing layer, the plan keeps exactly it in FP32, the
+mixed-precision graph stays finite and accurate where a naive FP16 conversion breaks."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, numpy_helper
+
+from helpers import make_checkpoint, random_batch
+from mbert.export.pipeline import ExportOptions, export_bundle
+from mbert.export.precision import (
+    FP16_MAX, LayerPlan, Plan, ScanReport, SiteStat, load_precision, plan, scan, to_mixed_precision,
+)
+from mbert.export.validate import onnx_runner
+from mbert.modeling import PrecisionError, load_model, load_pooling
+
+SMALL = dict(hidden_size=128, num_attention_heads=2, intermediate_size=192, local_attention=32)
+OVERFLOW_LAYER = 1
+# Layer 1's MLP output matrix x30000: its output and the residual stream after it reach ~9e4,
+# past FP16's 65504, while FP32 handles them exactly.
+SCALE = 30000.0
+
+
+@pytest.fixture(scope="module")
+def overflow_bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ovf")
+    folder = make_checkpoint(root / "ck", "gte-modernbert-base", seed=31, layout="mean-normalize",
+                             num_hidden_layers=4, scale_layer_mlp=(OVERFLOW_LAYER, SCALE), **SMALL)
+    result = export_bundle(folder, ExportOptions(out=root / "out", max_seq_len=1024, fp16=True))
+    return folder, result
+
+
+def test_fp32_model_is_fine_but_fp16_residual_overflows(overflow_bundle):
+    folder, _ = overflow_bundle
+    model = load_model(folder)
+    ids, mask = random_batch([200], seed=1)
+    with torch.no_grad():
+        out = model(ids, mask)
+        report = scan(model, [(ids, mask)])
+    assert torch.isfinite(out).all()
+    assert report.get(OVERFLOW_LAYER, "resid_mlp").max_abs > FP16_MAX  # would be inf in FP16
+    assert report.get(0, "resid_mlp").max_abs < 100
+
+
+def test_plan_names_the_layer(overflow_bundle):
+    _, result = overflow_bundle
+    report, p = load_precision(result.bundle / "precision.json")
+    assert (OVERFLOW_LAYER, "mlp.Wo") in [(d.layer, d.site) for d in p.decisions]
+    lp = p.layers[OVERFLOW_LAYER]
+    assert lp.mlp == "float32" and lp.residual == "float32"
+    assert p.layers[0] == LayerPlan(0)  # the layer before the overflow stays all FP16
+    assert all(p.layers[i].attention == "float16" for i in range(4))  # attention never needed FP32
+    assert result.manifest["precision"]["fp32_layers"] == [1, 2, 3]
+
+
+def test_ours_finite_and_accurate_where_naive_breaks(overflow_bundle):
+    _, result = overflow_bundle
+    v = result.manifest["validation"]["model.fp16.onnx"]
+    assert v["passed"]
+    ours = {o["name"]: o for o in v["outputs"]}
+    assert ours["sentence_embedding"]["finite"] and ours["sentence_embedding"]["worst_cosine"] >= 0.9999
+    naive = {o["name"]: o for o in v["naive_fp16"]["outputs"]}
+    assert not naive["sentence_embedding"]["finite"] or naive["sentence_embedding"]["worst_cosine"] < 0.9
+    assert not naive["last_hidden_state"]["finite"]
+    assert set(v["per_layer_kind"]) == {"global", "local"}
+
+
+def test_heavily_padded_fp16_batch_is_finite(overflow_bundle):
+    folder, result = overflow_bundle
+    ids, mask = random_batch([3, 600], seed=2)
+    out = onnx_runner(result.bundle / "model.fp16.onnx")(ids.numpy(), mask.numpy())
+    assert all(np.isfinite(a).all() for a in out.values())
+    model, pooling = load_model(folder), load_pooling(folder)
+    with torch.no_grad():
+        want = pooling.module()(model(ids, mask), mask).numpy()
+    got = out["sentence_embedding"]
+    cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert cos.min() >= 0.9999
+
+
+def test_mixed_graph_types(overflow_bundle):
+    _, result = overflow_bundle
+    g = onnx.load(str(result.bundle / "model.fp16.onnx")).graph
+    assert all(i.type.tensor_type.elem_type == TensorProto.INT64 for i in g.input)
+    assert all(o.type.tensor_type.elem_type == TensorProto.FLOAT for o in g.output)
+    kinds = {i.data_type for i in g.initializer}
+    assert TensorProto.FLOAT16 in kinds and TensorProto.FLOAT in kinds  # mixed, by the plan
+    assert sum(n.op_type == "Cast" for n in g.node) > 10
+    for init in g.initializer:
+        arr = numpy_helper.to_array(init)
+        if arr.dtype == np.float16:
+            assert np.isfinite(arr).all() and np.abs(arr).max() <= FP16_MAX, init.name
+
+
+def test_mixed_model_dtypes_follow_plan(overflow_bundle):
+    folder, result = overflow_bundle
+    _, p = load_precision(result.bundle / "precision.json")
+    mixed = to_mixed_precision(load_model(folder), p)
+    layer0, layer1 = mixed.layers[0], mixed.layers[OVERFLOW_LAYER]
+    assert layer0.attn.Wqkv.weight.dtype == torch.float16 and layer0.mlp_norm.weight.dtype == torch.float16
+    assert layer1.mlp.Wo.weight.dtype == torch.float32 and layer1.mlp_norm.weight.dtype == torch.float32
+    assert layer1.attn.Wqkv.weight.dtype == torch.float16
+    assert mixed.global_inv_freq.dtype == torch.float32  # RoPE tables stay FP32
+
+
+def test_precision_json_round_trip(overflow_bundle, tmp_path):
+    from mbert.export.precision import save_precision
+
+    _, result = overflow_bundle
+    report, p = load_precision(result.bundle / "precision.json")
+    save_precision(tmp_path / "p.json", report, p)
+    report2, p2 = load_precision(tmp_path / "p.json")
+    assert report2.to_dict() == report.to_dict() and p2.to_dict() == p.to_dict()
+    assert (result.bundle / "precision.png").stat().st_size > 10_000
+
+
+def test_plan_rules():
+    stats = [SiteStat(0, "attn.scores", 9000.0, 10.0), SiteStat(0, "mlp.Wi", 8000.0, 10.0),
+             SiteStat(1, "resid_in", 5.0, 1.0), SiteStat(None, "embeddings", 3.0, 1.0)]
+    p = plan(ScanReport(stats, 1, 10, 10), margin=8.0)  # limit 8188
+    assert p.layers[0].attention == "float32" and p.layers[0].mlp == "float16"
+    assert p.layers[1] == LayerPlan(1)
+    assert plan(ScanReport(stats, 1, 10, 10), margin=4.0).layers[0].attention == "float16"  # limit 16376
+    with pytest.raises(PrecisionError):
+        plan(ScanReport(stats, 1, 10, 10), margin=0.5)
+    assert Plan.from_dict(p.to_dict()).to_dict() == p.to_dict()
+
+
+def test_cli_fp16_prints_scan_and_engine_note(tmp_path):
+    folder = make_checkpoint(tmp_path / "ck", "gte-modernbert-base", seed=32, layout="cls-pooling",
+                             num_hidden_layers=3, scale_layer_mlp=(2, SCALE), **SMALL)
+    proc = subprocess.run([sys.executable, "-m", "mbert.export.cli", str(folder), "--out", str(tmp_path / "out"),
+                           "--fp16", "--max-seq-len", "256"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "FP16 overflow scan" in proc.stdout and "FP32 decisions: layer 2: mlp.Wo" in proc.stdout
+    assert "model.fp16.onnx" in proc.stdout and "naive fp16" in proc.stdout
+    assert "no TensorRT engine:" in proc.stdout and "mbert-export --engine-only" in proc.stdout
+    assert (tmp_path / "out" / "triton").is_dir()
