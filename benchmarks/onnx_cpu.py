@@ -1,0 +1,469 @@
+#!/usr/bin/env python
+"""ModernBERT-base on CPU: this project's ONNX against transformers' ONNX, eager and sdpa.
+
+One seeded random full-size ModernBERT-base checkpoint (22 layers, built with the test helper),
+four systems side by side:
+
+  ours      mbert.export.onnx.to_onnx(load_model(folder), max_seq_len=8192) on ONNX Runtime CPU
+  hf-onnx   transformers' AutoModel (eager attention) through torch.onnx.export, as a user would:
+            dynamo=True with dynamic batch/sequence first, dynamo=False + dynamic_axes if that fails
+  hf-eager  transformers in PyTorch, attn_implementation="eager"
+  hf-sdpa   transformers in PyTorch, attn_implementation="sdpa"
+
+Every (system, shape) runs in a fresh subprocess that loads only what that system needs, so peak
+RSS (ru_maxrss) is per system and shape; the increase over the RSS after loading is reported too.
+Quadratic-memory systems are skipped when their estimated footprint exceeds MemAvailable, and a
+child killed by the OOM killer is reported as such. Checkpoint and ONNX files are cached in
+benchmarks/.cache/ (git-ignored).
+
+    python benchmarks/onnx_cpu.py                      # full run: 4x512, 1x2048, 1x8192
+    python benchmarks/onnx_cpu.py --quick --out /tmp/x # smoke test: 2x128, 1x512, one timed run
+    python benchmarks/onnx_cpu.py --profile 1x2048     # ORT profiler on our graph: top op types
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ("ours", "hf-onnx", "hf-eager", "hf-sdpa")
+LABELS = {"ours": "mbert ONNX (ORT)", "hf-onnx": "transformers ONNX (ORT)",
+          "hf-eager": "transformers eager (torch)", "hf-sdpa": "transformers sdpa (torch)"}
+FULL_SHAPES, QUICK_SHAPES = "4x512,1x2048,1x8192", "2x128,1x512"
+# (shape, description, kind, other system, bound): speed = other latency / ours latency >= bound,
+# rss = ours peak RSS / other peak RSS <= bound.
+TARGETS = [
+    ("1x8192", "ours vs transformers-ONNX speed", "speed", "hf-onnx", 2.5),
+    ("1x8192", "ours vs sdpa speed", "speed", "hf-sdpa", 1.8),
+    ("1x8192", "ours / transformers-ONNX peak RSS", "rss", "hf-onnx", 0.25),
+    ("4x512", "ours vs transformers-ONNX speed", "speed", "hf-onnx", 1.0),
+    ("4x512", "ours vs eager speed", "speed", "hf-eager", 1.9),
+]
+# Live [B, H, T, T] fp32 score-sized tensors at peak: transformers' ONNX measured 17 GB at 1 x 8192
+# (~5 copies + weights), eager ~4 copies. The other two systems are linear in T: no guard.
+SCORE_COPIES = {"hf-onnx": 5, "hf-eager": 4}
+GiB = 2**30
+
+
+def paths(cache: Path) -> dict[str, Path]:
+    return {"ckpt": cache / "modernbert-base-random", "ours": cache / "onnx-ours" / "model.onnx",
+            "hf-onnx": cache / "onnx-hf" / "model.onnx"}
+
+
+# ----------------------------------------------------------------------------- memory helpers
+def proc_kb(file: str, key: str) -> int | None:
+    for line in Path(file).read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return None
+
+
+def mem_available_gib() -> float:
+    return proc_kb("/proc/meminfo", "MemAvailable") / 2**20
+
+
+def oom_kills() -> int | None:
+    """The cgroup's OOM-kill counter (cgroup v2), to confirm that a SIGKILLed child was OOM-killed."""
+    try:
+        return proc_kb("/sys/fs/cgroup/memory.events", "oom_kill")
+    except (OSError, TypeError):
+        return None
+
+
+def estimate_gib(system: str, B: int, T: int, cfg: dict, weights_bytes: int) -> float | None:
+    if system not in SCORE_COPIES:
+        return None
+    scores = B * cfg["num_attention_heads"] * T * T * 4
+    return (2 * weights_bytes + SCORE_COPIES[system] * scores) / GiB
+
+
+# ----------------------------------------------------------------------------- children
+def child(system: str, B: int, T: int, repeats: int, threads: int, seed: int, cache: Path) -> None:
+    """Load one system, warm up once, time ``repeats`` runs, print one JSON line."""
+    import numpy as np
+
+    p = paths(cache)
+    cfg = json.loads((p["ckpt"] / "config.json").read_text())
+    ids = np.random.default_rng(seed).integers(0, cfg["vocab_size"], (B, T), dtype=np.int64)
+    mask = np.ones_like(ids)
+    torch_threads = None
+    if system in ("ours", "hf-onnx"):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+        sess = ort.InferenceSession(str(p[system]), so, providers=["CPUExecutionProvider"])
+        names = [i.name for i in sess.get_inputs()]
+        feeds = dict(zip(names, (ids, mask)))
+
+        def run():
+            return sess.run(None, feeds)[0]
+    else:
+        import torch
+        import transformers
+
+        torch.set_num_threads(threads)
+        torch_threads = torch.get_num_threads()
+        model = transformers.AutoModel.from_pretrained(p["ckpt"], attn_implementation=system[3:]).eval()
+        t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
+
+        def run():
+            with torch.inference_mode():
+                return model(input_ids=t_ids, attention_mask=t_mask).last_hidden_state.numpy()
+    loaded_kb = proc_kb("/proc/self/status", "VmRSS")
+    try:  # reset VmHWM so that the run's own peak is measured, not the loading spike
+        Path("/proc/self/clear_refs").write_text("5")
+        hwm_reset = True
+    except OSError:
+        hwm_reset = False
+    out = run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - t0)
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    run_peak_kb = proc_kb("/proc/self/status", "VmHWM") if hwm_reset else peak_kb
+    print(json.dumps({
+        "status": "ok", "latency_s": statistics.median(times), "times_s": times,
+        "tokens_per_s": B * T / statistics.median(times), "peak_rss_gib": peak_kb / 2**20,
+        "loaded_rss_gib": loaded_kb / 2**20, "increase_gib": max(run_peak_kb - loaded_kb, 0) / 2**20,
+        "ort_threads": threads if torch_threads is None else None, "torch_threads": torch_threads,
+        "sample": [float(x) for x in np.concatenate([out[0, 0, :8], out[-1, -1, :8]])],
+    }))
+
+
+def export_child(what: str, cache: Path) -> None:
+    """Build the checkpoint or one ONNX file into the cache (run in a subprocess)."""
+    p = paths(cache)
+    if what == "checkpoint":
+        sys.path.insert(0, str(REPO / "tests"))
+        from helpers import make_checkpoint
+
+        make_checkpoint(p["ckpt"], "modernbert-base", seed=0)
+        return
+    p[what].parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if what == "ours":
+        from mbert.export.onnx import to_onnx
+        from mbert.modeling import load_model
+
+        to_onnx(load_model(p["ckpt"]), p["ours"], max_seq_len=8192)
+        meta = {"method": "mbert.export.onnx.to_onnx (dynamo)"}
+    else:
+        meta = export_hf(p["ckpt"], p["hf-onnx"])
+    meta["export_s"] = round(time.perf_counter() - t0, 1)
+    (p[what].parent / "export.json").write_text(json.dumps(meta, indent=2))
+
+
+def export_hf(folder: Path, path: Path) -> dict:
+    """torch.onnx.export of transformers' model the way a user would, checked on ORT at new shapes."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 256), generator=torch.Generator().manual_seed(0))
+    args = (ids, torch.ones_like(ids))
+    io = {"input_names": ["input_ids", "attention_mask"], "output_names": ["last_hidden_state"]}
+    meta: dict = {"errors": {}}
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    attempts = {
+        "dynamo=True, dynamic_shapes": dict(dynamo=True, dynamic_shapes={
+            "input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}),
+        "dynamo=False, dynamic_axes": dict(dynamo=False, opset_version=17, dynamic_axes={
+            n: {0: "batch", 1: "sequence"} for n in ("input_ids", "attention_mask", "last_hidden_state")}),
+    }
+    for name, kwargs in attempts.items():
+        try:
+            path.unlink(missing_ok=True)
+            torch.onnx.export(model, args, str(path), **io, **kwargs)
+            meta["check_max_rel_diff"] = check_hf_onnx(model, path, vocab)
+            meta["method"] = name
+            return meta
+        except Exception as exc:  # any exporter or check failure: record it, try the next way
+            meta["errors"][name] = f"{type(exc).__name__}: {(str(exc).strip() or '?').splitlines()[0][:300]}"
+            print(f"[hf-onnx export] {name} failed: {meta['errors'][name]}", file=sys.stderr)
+    raise SystemExit(f"every export of transformers' model failed: {json.dumps(meta['errors'])}")
+
+
+def check_hf_onnx(model, path: Path, vocab: int) -> float:
+    """The graph runs at batch 1 and 3 and other lengths than traced, and matches PyTorch."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    worst = 0.0
+    for B, T in ((1, 300), (3, 130)):
+        ids = np.random.default_rng(1).integers(0, vocab, (B, T), dtype=np.int64)
+        mask = np.ones_like(ids)
+        got = sess.run(None, dict(zip([i.name for i in sess.get_inputs()], (ids, mask))))[0]
+        with torch.inference_mode():
+            ref = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state.numpy()
+        rel = float(np.abs(got - ref).max() / np.abs(ref).max())
+        if got.shape != ref.shape or not rel < 1e-3:
+            raise RuntimeError(f"exported graph disagrees with PyTorch at {B}x{T}: max rel diff {rel:.2e}")
+        worst = max(worst, rel)
+    return worst
+
+
+# ----------------------------------------------------------------------------- parent
+def prepare(args, systems: list[str]) -> dict:
+    p = paths(args.cache)
+    if args.fresh:
+        for key in ("ckpt", "ours", "hf-onnx"):
+            shutil.rmtree(p[key] if key == "ckpt" else p[key].parent, ignore_errors=True)
+    # the last file each build writes marks it finished (make_checkpoint copies the tokenizer files last)
+    todo = [("checkpoint", p["ckpt"] / "special_tokens_map.json")]
+    todo += [(s, p[s].parent / "export.json") for s in ("ours", "hf-onnx") if s in systems]
+    meta = {}
+    for what, target in todo:
+        if not target.exists():
+            print(f"building {what} -> {target} ...", flush=True)
+            rc = subprocess.run([sys.executable, __file__, "--export", what, "--cache", str(args.cache)]).returncode
+            if rc != 0:
+                meta[what] = {"error": f"building {what} failed (exit {rc}); see the log above"}
+                continue
+        if what != "checkpoint":
+            meta[what] = json.loads(target.read_text())
+    if "error" in meta.get("checkpoint", {}):
+        raise SystemExit(meta["checkpoint"]["error"])
+    return meta
+
+
+def run_one(args, system: str, B: int, T: int, repeats: int, cfg: dict, meta: dict) -> dict:
+    if "error" in meta.get(system, {}):
+        return {"status": "failed", "reason": meta[system]["error"]}
+    need = estimate_gib(system, B, T, cfg, args.weights_bytes)
+    avail = args.mem_limit_gb if args.mem_limit_gb is not None else mem_available_gib()
+    if need is not None and need > avail:
+        src = "--mem-limit-gb" if args.mem_limit_gb is not None else "MemAvailable"
+        return {"status": "skipped", "reason": f"needs ~{need:.1f} GiB (estimate), {avail:.1f} GiB available ({src})"}
+    cmd = [sys.executable, __file__, "--child", system, str(B), str(T), "--repeats", str(repeats),
+           "--threads", str(args.threads), "--seed", str(args.seed), "--cache", str(args.cache)]
+    kills = oom_kills()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "reason": f"no result within --timeout {args.timeout} s"}
+    if proc.returncode == -signal.SIGKILL:
+        confirmed = kills is not None and (oom_kills() or 0) > kills
+        why = "the OOM killer (cgroup oom_kill count rose)" if confirmed else "SIGKILL, most likely the OOM killer"
+        return {"status": "oom", "reason": f"killed by {why}"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"status": "failed", "reason": f"exit {proc.returncode}: {err[:300]}"}
+    return json.loads(lines[-1])
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("mbert-export", "torch", "transformers", "onnxruntime", "onnx", "onnxscript", "numpy"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def machine() -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor() or "unknown CPU")
+    return f"{cpu}, {os.cpu_count()} logical CPUs, {proc_kb('/proc/meminfo', 'MemTotal') / 2**20:.1f} GiB RAM"
+
+
+def ratio(res: dict, shape: str, kind: str, other: str) -> float | None:
+    a, b = res.get(("ours", shape), {}), res.get((other, shape), {})
+    if a.get("status") != "ok" or b.get("status") != "ok":
+        return None
+    return b["latency_s"] / a["latency_s"] if kind == "speed" else a["peak_rss_gib"] / b["peak_rss_gib"]
+
+
+def report(args, shapes, systems, res: dict, meta: dict) -> list[str]:
+    ok = [r for r in res.values() if r.get("status") == "ok"]
+    ort_threads = next((r["ort_threads"] for r in ok if r.get("ort_threads")), "-")
+    torch_threads = next((r["torch_threads"] for r in ok if r.get("torch_threads")), "-")
+    hf = meta.get("hf-onnx", {})
+    hf_line = hf.get("error") or f"{hf.get('method', '-')}" + (
+        f" (failed first: {'; '.join(f'{k}: {v}' for k, v in hf['errors'].items())})" if hf.get("errors") else "")
+    L = [f"# ONNX on CPU: ModernBERT-base (random weights, 22 layers)\n",
+         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+         f"- machine: {machine()}",
+         f"- versions: {', '.join(f'{k} {v}' for k, v in versions().items())}",
+         f"- threads: ORT intra-op = {ort_threads} (inter-op 1), torch.get_num_threads() = {torch_threads}",
+         f"- transformers' ONNX export: {'not built' if 'hf-onnx' not in systems else hf_line}",
+         f"- timing: one warm-up run, then the median of N timed runs; inputs: random ids (seed {args.seed}), "
+         "full attention mask",
+         "- peak RSS: ru_maxrss of a fresh process per system and shape; increase: peak during the runs "
+         "over the RSS after loading the model/session",
+         f"- command: `python benchmarks/onnx_cpu.py {' '.join(sys.argv[1:])}`", "",
+         "| shape | system | latency (s) | tokens/s | peak RSS (GiB) | increase (GiB) | N | max abs diff vs ours |",
+         "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for shape in shapes:
+        ref = res.get(("ours", shape), {}).get("sample")
+        for s in systems:
+            r = res[(s, shape)]
+            if r["status"] != "ok":
+                L.append(f"| {shape} | {LABELS[s]} | {r['status']}: {r['reason']} | | | | | |")
+                continue
+            diff = "-" if not ref or s == "ours" else f"{max(abs(x - y) for x, y in zip(r['sample'], ref)):.1e}"
+            L.append(f"| {shape} | {LABELS[s]} | {r['latency_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['peak_rss_gib']:.2f} | {r['increase_gib']:.2f} | {len(r['times_s'])} | {diff} |")
+    L += ["", "## Ratios (ours against each)", "",
+          "| shape | other | speed-up (other latency / ours) | peak RSS (ours / other) |", "|---|---|---:|---:|"]
+    for shape in shapes:
+        for s in [s for s in systems if s != "ours"] if "ours" in systems else []:
+            sp, rs = ratio(res, shape, "speed", s), ratio(res, shape, "rss", s)
+            L.append(f"| {shape} | {LABELS[s]} | {'n/a' if sp is None else f'{sp:.2f}x'} | "
+                     f"{'n/a' if rs is None else f'{rs:.2f}'} |")
+    L += ["", "## Targets", "", "| shape | ratio | target | measured | |", "|---|---|---|---:|---|"]
+    for shape, desc, kind, other, bound in TARGETS:
+        v = ratio(res, shape, kind, other)
+        if v is None:
+            why = "shape not run" if shape not in shapes else "a system did not run"
+            L.append(f"| {shape} | {desc} | {'>=' if kind == 'speed' else '<='} {bound} | n/a | n/a ({why}) |")
+            continue
+        met = v >= bound if kind == "speed" else v <= bound
+        fmt = f"{v:.2f}x" if kind == "speed" else f"{v:.3f}"
+        L.append(f"| {shape} | {desc} | {'>=' if kind == 'speed' else '<='} {bound} | {fmt} | "
+                 f"{'met' if met else 'MISSED'} |")
+    return L
+
+
+def plot(shapes, systems, res: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(systems)
+    for ax, key, title in ((axes[0], "latency_s", "latency (s, log scale)"), (axes[1], "peak_rss_gib", "peak RSS (GiB)")):
+        for i, s in enumerate(systems):
+            xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(shapes))]
+            rows = [res[(s, sh)] for sh in shapes]
+            vals = [r[key] if r["status"] == "ok" else 0 for r in rows]
+            ax.bar(xs, vals, width, label=LABELS[s])
+            for x, r in zip(xs, rows):
+                if r["status"] != "ok":
+                    ax.annotate(r["status"], (x, 0), xytext=(0, 3), textcoords="offset points",
+                                ha="center", va="bottom", rotation=90, fontsize=8)
+        ax.set_xticks(range(len(shapes)), [sh.replace("x", " x ") for sh in shapes])
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("ModernBERT-base on CPU: mbert ONNX vs transformers")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def profile(args, shape: str) -> None:
+    """ORT's profiler on our graph at one shape: time per op type, summed over Node events."""
+    import numpy as np
+    import onnxruntime as ort
+
+    B, T = map(int, shape.split("x"))
+    p = paths(args.cache)
+    cfg = json.loads((p["ckpt"] / "config.json").read_text())
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = args.threads, 1
+    so.enable_profiling = True
+    so.profile_file_prefix = str(args.cache / f"ort_profile_{shape}")
+    sess = ort.InferenceSession(str(p["ours"]), so, providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(args.seed).integers(0, cfg["vocab_size"], (B, T), dtype=np.int64)
+    feeds = dict(zip([i.name for i in sess.get_inputs()], (ids, np.ones_like(ids))))
+    runs = 1 + (args.repeats or 1)
+    for _ in range(runs):
+        sess.run(None, feeds)
+    trace = Path(sess.end_profiling())
+    totals: dict[str, int] = {}
+    for ev in json.loads(trace.read_text()):
+        if ev.get("cat") == "Node" and "op_name" in ev.get("args", {}):
+            totals[ev["args"]["op_name"]] = totals.get(ev["args"]["op_name"], 0) + ev.get("dur", 0)
+    total = sum(totals.values()) or 1
+    print(f"ORT profile of our graph at {shape}, {runs} runs (incl. warm-up), {args.threads} threads; trace: {trace}")
+    print(f"{'op type':<28}{'ms/run':>10}{'share':>8}")
+    for op, dur in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"{op:<28}{dur / 1e3 / runs:>10.1f}{100 * dur / total:>7.1f}%")
+    print(f"{'all nodes':<28}{total / 1e3 / runs:>10.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=None, help=f"BxT list (default {FULL_SHAPES})")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs after the warm-up "
+                    "(default 3 for T <= 2048, 1 above)")
+    ap.add_argument("--quick", action="store_true", help=f"smoke test: shapes {QUICK_SHAPES}, repeats 1")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--cache", type=Path, default=REPO / "benchmarks" / ".cache")
+    ap.add_argument("--fresh", action="store_true", help="rebuild the cached checkpoint and ONNX files")
+    ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads and torch threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per (system, shape) child")
+    ap.add_argument("--mem-limit-gb", type=float, default=None,
+                    help="pretend only this many GiB are available (tests the skip path)")
+    ap.add_argument("--profile", nargs="?", const="1x2048", metavar="BxT",
+                    help="only run ORT's profiler on our graph at this shape (default 1x2048)")
+    ap.add_argument("--child", nargs=3, metavar=("SYSTEM", "B", "T"), help=argparse.SUPPRESS)
+    ap.add_argument("--export", choices=("checkpoint", "ours", "hf-onnx"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.cache = args.cache.resolve()
+    if args.child:
+        system, B, T = args.child
+        return child(system, int(B), int(T), args.repeats, args.threads, args.seed, args.cache)
+    if args.export:
+        return export_child(args.export, args.cache)
+
+    shapes = (args.shapes or (QUICK_SHAPES if args.quick else FULL_SHAPES)).split(",")
+    systems = args.systems.split(",")
+    if args.quick and args.repeats is None:
+        args.repeats = 1
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    meta = prepare(args, ["ours"] if args.profile else systems)
+    if args.profile:
+        return profile(args, args.profile)
+    p = paths(args.cache)
+    cfg = json.loads((p["ckpt"] / "config.json").read_text())
+    args.weights_bytes = sum(f.stat().st_size for f in p["ckpt"].glob("*.safetensors"))
+    res = {}
+    for shape in shapes:
+        B, T = map(int, shape.split("x"))
+        repeats = args.repeats or (3 if T <= 2048 else 1)
+        for s in systems:
+            print(f"{shape:>7} {s:<9} ...", end=" ", flush=True)
+            r = res[(s, shape)] = run_one(args, s, B, T, repeats, cfg, meta)
+            print(f"{r['latency_s']:.3f} s, peak RSS {r['peak_rss_gib']:.2f} GiB" if r["status"] == "ok"
+                  else f"{r['status']}: {r['reason']}", flush=True)
+    lines = report(args, shapes, systems, res, meta)
+    default_run = shapes == FULL_SHAPES.split(",") and systems == list(SYSTEMS)
+    stem = "onnx_cpu" if default_run else "onnx_cpu_quick" if args.quick else "onnx_cpu_custom"
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(shapes, systems, res, args.out / f"{stem}.png")
+    lines += ["", f"![latency and peak RSS per shape]({stem}.png)"]
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(
+        {"meta": meta, "results": [{"system": s, "shape": sh, **r} for (s, sh), r in res.items()]}, indent=1))
+    print("\n" + "\n".join(lines))
+    print(f"\nwrote {args.out / (stem + '.md')}, .png and .json")
+
+
+if __name__ == "__main__":
+    main()
