@@ -54,7 +54,6 @@ TARGETS = [
 # Live [B, H, T, T] fp32 score-sized tensors at peak: transformers' ONNX measured 17 GB at 1 x 8192
 # (~5 copies + weights), eager ~4 copies. The other two systems are linear in T: no guard.
 SCORE_COPIES = {"hf-onnx": 5, "hf-eager": 4}
-GiB = 2**30
 
 
 def paths(cache: Path) -> dict[str, Path]:
@@ -62,7 +61,6 @@ def paths(cache: Path) -> dict[str, Path]:
             "hf-onnx": cache / "onnx-hf" / "model.onnx"}
 
 
-# ----------------------------------------------------------------------------- memory helpers
 def proc_kb(file: str, key: str) -> int | None:
     for line in Path(file).read_text().splitlines():
         if line.startswith(key + ":"):
@@ -70,26 +68,13 @@ def proc_kb(file: str, key: str) -> int | None:
     return None
 
 
-def mem_available_gib() -> float:
-    return proc_kb("/proc/meminfo", "MemAvailable") / 2**20
-
-
-def oom_kills() -> int | None:
-    """The cgroup's OOM-kill counter (cgroup v2), to confirm that a SIGKILLed child was OOM-killed."""
-    try:
-        return proc_kb("/sys/fs/cgroup/memory.events", "oom_kill")
-    except (OSError, TypeError):
-        return None
-
-
 def estimate_gib(system: str, B: int, T: int, cfg: dict, weights_bytes: int) -> float | None:
     if system not in SCORE_COPIES:
         return None
     scores = B * cfg["num_attention_heads"] * T * T * 4
-    return (2 * weights_bytes + SCORE_COPIES[system] * scores) / GiB
+    return (2 * weights_bytes + SCORE_COPIES[system] * scores) / 2**30
 
 
-# ----------------------------------------------------------------------------- children
 def child(system: str, B: int, T: int, repeats: int, threads: int, seed: int, cache: Path) -> None:
     """Load one system, warm up once, time ``repeats`` runs, print one JSON line."""
     import numpy as np
@@ -105,8 +90,7 @@ def child(system: str, B: int, T: int, repeats: int, threads: int, seed: int, ca
         so = ort.SessionOptions()
         so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
         sess = ort.InferenceSession(str(p[system]), so, providers=["CPUExecutionProvider"])
-        names = [i.name for i in sess.get_inputs()]
-        feeds = dict(zip(names, (ids, mask)))
+        feeds = dict(zip([i.name for i in sess.get_inputs()], (ids, mask)))
 
         def run():
             return sess.run(None, feeds)[0]
@@ -128,8 +112,7 @@ def child(system: str, B: int, T: int, repeats: int, threads: int, seed: int, ca
         hwm_reset = True
     except OSError:
         hwm_reset = False
-    out = run()  # warm-up
-    times = []
+    out, times = run(), []  # one warm-up run
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = run()
@@ -209,10 +192,10 @@ def check_hf_onnx(model, path: Path, vocab: int) -> float:
     worst = 0.0
     for B, T in ((1, 300), (3, 130)):
         ids = np.random.default_rng(1).integers(0, vocab, (B, T), dtype=np.int64)
-        mask = np.ones_like(ids)
-        got = sess.run(None, dict(zip([i.name for i in sess.get_inputs()], (ids, mask))))[0]
+        got = sess.run(None, dict(zip([i.name for i in sess.get_inputs()], (ids, np.ones_like(ids)))))[0]
         with torch.inference_mode():
-            ref = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state.numpy()
+            t_ids = torch.from_numpy(ids)
+            ref = model(input_ids=t_ids, attention_mask=torch.ones_like(t_ids)).last_hidden_state.numpy()
         rel = float(np.abs(got - ref).max() / np.abs(ref).max())
         if got.shape != ref.shape or not rel < 1e-3:
             raise RuntimeError(f"exported graph disagrees with PyTorch at {B}x{T}: max rel diff {rel:.2e}")
@@ -220,7 +203,6 @@ def check_hf_onnx(model, path: Path, vocab: int) -> float:
     return worst
 
 
-# ----------------------------------------------------------------------------- parent
 def prepare(args, systems: list[str]) -> dict:
     p = paths(args.cache)
     if args.fresh:
@@ -248,21 +230,19 @@ def run_one(args, system: str, B: int, T: int, repeats: int, cfg: dict, meta: di
     if "error" in meta.get(system, {}):
         return {"status": "failed", "reason": meta[system]["error"]}
     need = estimate_gib(system, B, T, cfg, args.weights_bytes)
-    avail = args.mem_limit_gb if args.mem_limit_gb is not None else mem_available_gib()
+    faked = args.mem_limit_gb is not None
+    avail = args.mem_limit_gb if faked else proc_kb("/proc/meminfo", "MemAvailable") / 2**20
     if need is not None and need > avail:
-        src = "--mem-limit-gb" if args.mem_limit_gb is not None else "MemAvailable"
+        src = "--mem-limit-gb" if faked else "MemAvailable"
         return {"status": "skipped", "reason": f"needs ~{need:.1f} GiB (estimate), {avail:.1f} GiB available ({src})"}
     cmd = [sys.executable, __file__, "--child", system, str(B), str(T), "--repeats", str(repeats),
            "--threads", str(args.threads), "--seed", str(args.seed), "--cache", str(args.cache)]
-    kills = oom_kills()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "reason": f"no result within --timeout {args.timeout} s"}
-    if proc.returncode == -signal.SIGKILL:
-        confirmed = kills is not None and (oom_kills() or 0) > kills
-        why = "the OOM killer (cgroup oom_kill count rose)" if confirmed else "SIGKILL, most likely the OOM killer"
-        return {"status": "oom", "reason": f"killed by {why}"}
+    if proc.returncode == -signal.SIGKILL:  # a timeout also kills, but raises TimeoutExpired first
+        return {"status": "oom", "reason": "killed by SIGKILL: the OOM killer (out of memory)"}
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -334,13 +314,11 @@ def report(args, shapes, systems, res: dict, meta: dict) -> list[str]:
     for shape, desc, kind, other, bound in TARGETS:
         v = ratio(res, shape, kind, other)
         if v is None:
-            why = "shape not run" if shape not in shapes else "a system did not run"
-            L.append(f"| {shape} | {desc} | {'>=' if kind == 'speed' else '<='} {bound} | n/a | n/a ({why}) |")
-            continue
-        met = v >= bound if kind == "speed" else v <= bound
-        fmt = f"{v:.2f}x" if kind == "speed" else f"{v:.3f}"
-        L.append(f"| {shape} | {desc} | {'>=' if kind == 'speed' else '<='} {bound} | {fmt} | "
-                 f"{'met' if met else 'MISSED'} |")
+            shown, verdict = "n/a", f"n/a ({'shape not run' if shape not in shapes else 'a system did not run'})"
+        else:
+            shown = f"{v:.2f}x" if kind == "speed" else f"{v:.3f}"
+            verdict = "met" if (v >= bound if kind == "speed" else v <= bound) else "MISSED"
+        L.append(f"| {shape} | {desc} | {'>=' if kind == 'speed' else '<='} {bound} | {shown} | {verdict} |")
     return L
 
 
@@ -352,23 +330,24 @@ def plot(shapes, systems, res: dict, png: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(systems)
-    for ax, key, title in ((axes[0], "latency_s", "latency (s, log scale)"), (axes[1], "peak_rss_gib", "peak RSS (GiB)")):
+    panels = ((axes[0], "latency_s", "latency (s, log scale)"), (axes[1], "peak_rss_gib", "peak RSS (GiB)"))
+    for ax, key, title in panels:
         for i, s in enumerate(systems):
             xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(shapes))]
             rows = [res[(s, sh)] for sh in shapes]
             vals = [r[key] if r["status"] == "ok" else 0 for r in rows]
             ax.bar(xs, vals, width, label=LABELS[s])
-            for x, r in zip(xs, rows):
+            for x, r in zip(xs, rows):  # mark skipped/failed runs where their bar would be
                 if r["status"] != "ok":
-                    ax.annotate(r["status"], (x, 0), xytext=(0, 3), textcoords="offset points",
-                                ha="center", va="bottom", rotation=90, fontsize=8)
+                    ax.text(x, 0.02, r["status"], transform=ax.get_xaxis_transform(), ha="center",
+                            va="bottom", rotation=90, fontsize=8)
         ax.set_xticks(range(len(shapes)), [sh.replace("x", " x ") for sh in shapes])
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_yscale("log")
-    axes[1].legend(fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(systems), fontsize=9)
     fig.suptitle("ModernBERT-base on CPU: mbert ONNX vs transformers")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(png, dpi=120)
 
 
@@ -407,8 +386,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None, help=f"BxT list (default {FULL_SHAPES})")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs after the warm-up "
-                    "(default 3 for T <= 2048, 1 above)")
+    ap.add_argument("--repeats", type=int, help="timed runs after the warm-up (default 3 for T <= 2048, 1 above)")
     ap.add_argument("--quick", action="store_true", help=f"smoke test: shapes {QUICK_SHAPES}, repeats 1")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--cache", type=Path, default=REPO / "benchmarks" / ".cache")
@@ -416,8 +394,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads and torch threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per (system, shape) child")
-    ap.add_argument("--mem-limit-gb", type=float, default=None,
-                    help="pretend only this many GiB are available (tests the skip path)")
+    ap.add_argument("--mem-limit-gb", type=float, help="pretend only this many GiB are free (tests the skip path)")
     ap.add_argument("--profile", nargs="?", const="1x2048", metavar="BxT",
                     help="only run ORT's profiler on our graph at this shape (default 1x2048)")
     ap.add_argument("--child", nargs=3, metavar=("SYSTEM", "B", "T"), help=argparse.SUPPRESS)
@@ -434,9 +411,8 @@ def main() -> None:
     systems = args.systems.split(",")
     if args.quick and args.repeats is None:
         args.repeats = 1
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if set(systems) - set(SYSTEMS):
+        ap.error(f"unknown systems {sorted(set(systems) - set(SYSTEMS))}; choose from {', '.join(SYSTEMS)}")
     meta = prepare(args, ["ours"] if args.profile else systems)
     if args.profile:
         return profile(args, args.profile)

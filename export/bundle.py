@@ -26,20 +26,13 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from mbert.modeling.checkpoint import SIDE_FILES
 from mbert.modeling.errors import BundleError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-COPIED_FILES = (
-    "config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "modules.json",
-    "sentence_bert_config.json",
-    "config_sentence_transformers.json",
-)
-
+# The checkpoint's tokenizer and sentence-transformers files (the weights travel inside the ONNX).
+COPIED_FILES = tuple(name for name in SIDE_FILES if "*" not in name)
 
 @contextlib.contextmanager
 def staging(out: Path, overwrite: bool) -> Iterator[Path]:

@@ -101,11 +101,11 @@ def scan(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]])
     acc: dict[tuple[int | None, str], list[float]] = {}
 
     def record(key, t: torch.Tensor):
-        a = t.detach().abs().float().flatten()
-        step = max(1, a.numel() // _SAMPLE)
-        sample = a[::step]
-        pct = float(torch.quantile(sample[:_SAMPLE], PERCENTILE / 100)) if sample.numel() else 0.0
-        m = float(a.max()) if a.numel() else 0.0
+        t = t.detach()
+        m = float(torch.maximum(t.max(), -t.min())) if t.numel() else 0.0  # max |x| without a copy
+        flat = t.reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE].abs().float()
+        pct = float(torch.quantile(sample, PERCENTILE / 100)) if sample.numel() else 0.0
         prev = acc.get(key)
         acc[key] = [max(m, prev[0]), max(pct, prev[1])] if prev else [m, pct]
 
@@ -144,9 +144,14 @@ def scan(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]])
     finally:
         for h in hooks:
             h.remove()
-    stats = [SiteStat(k[0], k[1], v[0], v[1]) for k, v in acc.items()]
-    order = {s: n for n, s in enumerate(["embeddings", *LAYER_SITES, "final_norm.input"])}
-    stats.sort(key=lambda s: (-1 if s.layer is None and s.site == "embeddings" else (1 << 20 if s.layer is None else s.layer), order[s.site]))
+    site_order = {s: n for n, s in enumerate(["embeddings", *LAYER_SITES, "final_norm.input"])}
+    position = {"embeddings": -1, "final_norm.input": len(encoder.layers)}  # model-level sites
+
+    def forward_order(key):
+        layer, site = key
+        return (position[site] if layer is None else layer, site_order[site])
+
+    stats = [SiteStat(k[0], k[1], *acc[k]) for k in sorted(acc, key=forward_order)]
     return ScanReport(stats, len(batches), tokens, max_len)
 
 

@@ -265,8 +265,8 @@ class ModernBertForMaskedLM(nn.Module):
         return self.decoder(h.to(self.decoder.weight.dtype))  # [B, T, V]
 
 
-class ModernBertForSequenceClassification(nn.Module):
-    """``forward -> logits [B, num_labels]``, pooled by ``classifier_pooling`` (cls or mean)."""
+class _ClassifierModel(nn.Module):
+    """Encoder, prediction head and a ``classifier`` layer: the two classification checkpoints."""
 
     def __init__(self, cfg: ModernBertConfig):
         super().__init__()
@@ -274,6 +274,13 @@ class ModernBertForSequenceClassification(nn.Module):
         self.model = ModernBertModel(cfg)
         self.head = PredictionHead(cfg)
         self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.head(x).to(self.classifier.weight.dtype))
+
+
+class ModernBertForSequenceClassification(_ClassifierModel):
+    """``forward -> logits [B, num_labels]``, pooled by ``classifier_pooling`` (cls or mean)."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids, attention_mask)  # [B, T, D]
@@ -282,23 +289,14 @@ class ModernBertForSequenceClassification(nn.Module):
         else:
             m = attention_mask.to(hidden.dtype).unsqueeze(-1)
             pooled = (hidden * m).sum(dim=1) / m.sum(dim=1)
-        h = self.head(pooled)  # [B, D]
-        return self.classifier(h.to(self.classifier.weight.dtype))  # [B, num_labels]
+        return self.classify(pooled)  # [B, num_labels]
 
 
-class ModernBertForTokenClassification(nn.Module):
+class ModernBertForTokenClassification(_ClassifierModel):
     """``forward -> logits [B, T, num_labels]``."""
 
-    def __init__(self, cfg: ModernBertConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = ModernBertModel(cfg)
-        self.head = PredictionHead(cfg)
-        self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        h = self.head(self.model(input_ids, attention_mask))
-        return self.classifier(h.to(self.classifier.weight.dtype))  # [B, T, num_labels]
+        return self.classify(self.model(input_ids, attention_mask))  # [B, T, num_labels]
 
 
 MODEL_CLASSES = {

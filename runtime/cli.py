@@ -52,9 +52,7 @@ def _open(bundle, backend, device, precision, source, **kwargs):
     from mbert.runtime.encoder import Encoder
 
     logging.getLogger("mbert.runtime").setLevel(logging.WARNING)
-    enc = Encoder.from_bundle(bundle, backend=backend, device=device, precision=precision, source=source, **kwargs)
-    click.echo(f"backend: {enc.backend_name} ({enc.backend.artifact}, {enc.precision})", err=True)
-    return enc
+    return Encoder.from_bundle(bundle, backend=backend, device=device, precision=precision, source=source, **kwargs)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -134,7 +132,8 @@ def embed(bundle, texts, input_file, output_file, backend, device, precision, so
             if output_file is not None:
                 stream.close()
     click.echo(f"embedded {stats.texts} texts ({stats.tokens} tokens, {stats.truncated} truncated to "
-               f"{enc.max_length}) into [{vectors.shape[0]}, {vectors.shape[1]}] in {stats.total_s:.2f}s"
+               f"{enc.max_length}) into [{vectors.shape[0]}, {vectors.shape[1]}] in {stats.total_s:.2f}s with "
+               f"{enc.backend_name} ({enc.backend.artifact}, {enc.precision})"
                + (f" -> {output_file}" if output_file else ""), err=True)
 
 

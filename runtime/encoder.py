@@ -70,6 +70,9 @@ class Encoder:
         ``onnxruntime`` (``-cuda`` / ``-cpu``) or ``eager`` (PyTorch on the source checkpoint, which
         ``source`` may point to). ``device``: ``cpu``, ``cuda`` or ``cuda:N``. ``precision``: ``fp32`` or
         ``fp16`` (ONNX Runtime's default is FP16 on CUDA when the bundle has it, FP32 on CPU).
+        A plan built for another GPU architecture or TensorRT version is refused, not skipped
+        (BundleError saying what differs): rebuild it, or pass ``backend="onnxruntime"``.
+        ``verify=False`` skips hashing the files (the manifest is still cross-checked).
         """
         path = Path(path)
         manifest = checks.open_manifest(path, verify=verify)

@@ -12,6 +12,7 @@ graph), used when pooling must happen outside the graph: prompt tokens excluded
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -21,6 +22,8 @@ import numpy as np
 from mbert.modeling.errors import TokenizerError
 
 MASK_FILL = -65504.0  # as mbert.modeling.model.MASK_FILL: the pooling module's fill for max pooling
+CHARS_PER_TOKEN = 12  # prefix length (per allowed token) at which very long texts are cut before tokenizing
+_WHITESPACE = re.compile(r"\s")
 
 
 @dataclass
@@ -64,7 +67,28 @@ class TextEncoder:
         self._prompt_lengths: dict[str, int] = {}
 
     def encode(self, inputs: Sequence) -> list:
-        return self.tokenizer.encode_batch(list(inputs)) if inputs else []
+        """Encodings of ``inputs`` (strings or pairs), truncated; ``enc.overflowing`` is non-empty
+        exactly when an input was cut. A single text far longer than the max length is tokenized
+        only up to the first whitespace after ``CHARS_PER_TOKEN`` characters per allowed token
+        (the pre-tokenizer never joins across whitespace, so the kept tokens are the same); if that
+        prefix does not overflow, the whole text is tokenized after all."""
+        inputs = list(inputs)
+        if not inputs:
+            return []
+        limit = self.max_len * CHARS_PER_TOKEN
+        prepared, cut = [], []
+        for i, x in enumerate(inputs):
+            if isinstance(x, str) and len(x) > limit:
+                m = _WHITESPACE.search(x, limit, limit + 4096)
+                if m is not None:
+                    x = x[: m.start()]
+                    cut.append(i)
+            prepared.append(x)
+        encodings = self.tokenizer.encode_batch(prepared)
+        redo = [i for i in cut if not encodings[i].overflowing]
+        for i, enc in zip(redo, self.tokenizer.encode_batch([inputs[i] for i in redo]) if redo else []):
+            encodings[i] = enc
+        return encodings
 
     def prompt_length(self, prompt: str, special_ids: set[int]) -> int:
         """Tokens a prompt occupies at the start of an input, [CLS] included: sentence-transformers'

@@ -96,8 +96,8 @@ def make_checkpoint(
         pc = json.loads(pool_cfg.read_text())
         pc["word_embedding_dimension"] = raw["hidden_size"]
         pool_cfg.write_text(json.dumps(pc, indent=2))
-        if (out / "2_Normalize").exists() is False and "Normalize" in (out / "modules.json").read_text():
-            (out / "2_Normalize").mkdir()
+        if "Normalize" in (out / "modules.json").read_text():
+            (out / "2_Normalize").mkdir(exist_ok=True)
     return out
 
 

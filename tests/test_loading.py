@@ -148,3 +148,22 @@ def test_pooling_modes_and_errors(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(PoolingError, match=r"Dense \(2_Dense\)"):
         load_pooling(tmp_path)
+
+
+def test_hub_id_resolves_from_local_cache_offline(small, tmp_path):
+    """A hub id loads from the Hugging Face cache with no network (HF_HUB_OFFLINE=1)."""
+    import os
+    import subprocess
+    import sys
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--some-org--tiny-modernbert"
+    shutil.copytree(small, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    code = ("from mbert.modeling import load_model; m = load_model('some-org/tiny-modernbert'); "
+            "print(m.source.hub_id, m.source.revision, m.config.num_hidden_layers)")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["some-org/tiny-modernbert", commit, "4"]

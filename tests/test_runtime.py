@@ -12,7 +12,8 @@ import pytest
 
 from mbert.modeling.errors import BundleError
 from mbert.runtime import Encoder
-from test_runtime_support import MAX_LEN, PROMPTS, TEXTS, bundle, copy_bundle, cosines, edit_manifest, sentence_transformer
+from test_runtime_support import (MAX_LEN, PROMPTS, TEXTS, bundle, copy_bundle, cosines, edit_manifest, fp16_bundle,
+                                  sentence_transformer)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,15 @@ def test_normalize_override(cls_encoder, mean_encoder, st_models):
     got = mean_encoder.encode(texts, normalize=False)
     np.testing.assert_allclose(got, unnormalized, atol=1e-4, rtol=1e-4)
     assert np.linalg.norm(got, axis=1).max() > 1.5
+
+
+def test_bundle_without_pooling_mean_pools_like_sentence_transformers(cls_encoder, st_models):
+    enc = Encoder(cls_encoder.path, dict(cls_encoder.manifest, pooling=None), cls_encoder.backend)
+    with pytest.warns(UserWarning, match="declares no sentence-transformers pooling; using mean pooling"):
+        got = enc.encode(TEXTS[:5])
+    tokens = st_models["cls"].encode(TEXTS[:5], output_value="token_embeddings")
+    np.testing.assert_allclose(got, np.stack([t.numpy().mean(axis=0) for t in tokens]), atol=1e-4, rtol=1e-4)
+    assert enc.dimension == 256
 
 
 @pytest.mark.parametrize("kind", ["cls", "mean"])
@@ -209,7 +219,7 @@ def test_check_parity_fp32_and_fp16(cls_encoder):
     assert report.passed, report.to_dict()
     assert {o.name for o in report.outputs} == {"last_hidden_state", "sentence_embedding"}
     assert all(o.tolerance.min_cosine == 0.99999 for o in report.outputs)
-    fp16 = Encoder.from_bundle(bundle("mean"), backend="onnxruntime", precision="fp16")
+    fp16 = Encoder.from_bundle(fp16_bundle(), backend="onnxruntime", precision="fp16")
     assert fp16.precision == "fp16" and fp16.backend.artifact == "model.fp16.onnx"
     report16 = fp16.check_parity(texts=TEXTS)
     assert report16.passed and report16.outputs[0].tolerance.min_cosine < 0.99999
@@ -284,3 +294,43 @@ def test_manifest_digest_covers_values_no_file_records(tmp_path):
     edit_manifest(copy, lambda m: m.update(max_seq_len=64))
     with pytest.raises(BundleError, match="manifest.json was edited after export"):
         Encoder.from_bundle(copy)
+
+
+# --- pieces ----------------------------------------------------------------------------------------
+
+def test_long_text_prefix_tokenization_equals_full_truncation():
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from mbert.export.texts import calibration_texts
+    from mbert.runtime.text import TextEncoder
+
+    path = Path(__file__).parent / "fixtures" / "modernbert-base" / "tokenizer.json"
+    rng = random.Random(0)
+    texts = calibration_texts()
+    texts += [t[a:] + " " + t[:a] for t in texts for a in (rng.randint(0, len(t)) for _ in range(3))]
+    for max_len in (8, 37, 512):
+        ours, ref = TextEncoder(path, max_len), Tokenizer.from_file(str(path))
+        ref.enable_truncation(max_len)
+        for a, b in zip(ours.encode(texts), ref.encode_batch(texts)):
+            assert (a.ids, a.offsets, bool(a.overflowing)) == (b.ids, b.offsets, bool(b.overflowing))
+
+
+@pytest.mark.parametrize("modes", [("cls",), ("mean",), ("max",), ("mean_sqrt_len_tokens",), ("weightedmean",),
+                                   ("lasttoken",), ("cls", "mean", "max")])
+def test_numpy_pooling_equals_the_graph_pooling_module(modes):
+    import torch
+
+    from mbert.modeling import PoolingConfig
+    from mbert.runtime import pool
+
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((3, 11, 8)).astype(np.float32)
+    mask = np.zeros((3, 11), dtype=np.int64)
+    for r, n in enumerate((11, 4, 1)):
+        mask[r, :n] = 1
+    mask[0, :2] = 0  # prompt tokens excluded from pooling
+    for normalize in (False, True):
+        want = PoolingConfig(modes=modes, normalize=normalize).module()(torch.from_numpy(hidden), torch.from_numpy(mask))
+        np.testing.assert_allclose(pool(hidden, mask, modes, normalize), want.numpy(), atol=1e-5)

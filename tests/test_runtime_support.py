@@ -1,7 +1,7 @@
 """Bundles shared by the runtime tests (test_runtime*.py), each built once per test session.
 
 Small random-weight checkpoints (hidden 256, 4 heads, intermediate 384, local attention 32, 3
-layers) with real tokenizer files, exported with max_seq_len 128 so that ordinary text is
+layers; 1 for the head bundles) with real tokenizer files, exported with max_seq_len 128 so that ordinary text is
 truncated and padded. Holds no tests itself.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from helpers import make_checkpoint
 MAX_LEN = 128
 SMALL = dict(num_hidden_layers=3, hidden_size=256, num_attention_heads=4, intermediate_size=384,
              local_attention=32)
+HEAD = dict(SMALL, num_hidden_layers=1)  # heads need no local layers (the encoder bundles cover them)
 PROMPTS = {"query": "search_query: ", "document": "search_document: "}
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 TEXTS = [
@@ -67,12 +68,12 @@ def checkpoint(kind: str) -> Path:
     elif kind == "seqcls":
         make_checkpoint(folder, base="modernbert-base", arch="ModernBertForSequenceClassification", seed=3,
                         id2label=LABELS, label2id={v: k for k, v in LABELS.items()}, classifier_pooling="mean",
-                        **SMALL)
+                        **HEAD)
     elif kind == "tokcls":
         make_checkpoint(folder, base="modernbert-base", arch="ModernBertForTokenClassification", seed=4,
-                        id2label=LABELS, label2id={v: k for k, v in LABELS.items()}, **SMALL)
+                        id2label=LABELS, label2id={v: k for k, v in LABELS.items()}, **HEAD)
     elif kind == "mlm":
-        make_checkpoint(folder, base="modernbert-base", arch="ModernBertForMaskedLM", seed=5, **SMALL)
+        make_checkpoint(folder, base="modernbert-base", arch="ModernBertForMaskedLM", seed=5, **HEAD)
     else:
         raise KeyError(kind)
     return folder
@@ -80,8 +81,38 @@ def checkpoint(kind: str) -> Path:
 
 @functools.cache
 def bundle(kind: str) -> Path:
-    """A bundle exported from checkpoint(kind); "mean" is exported with --fp16 (no engine here)."""
-    return _export(checkpoint(kind), f"bundle-{kind}", fp16=(kind == "mean"))
+    """A bundle exported (FP32) from checkpoint(kind)."""
+    return _export(checkpoint(kind), f"bundle-{kind}")
+
+
+@functools.cache
+def fp16_bundle() -> Path:
+    """bundle("mean") plus a mixed-precision model.fp16.onnx made with the export's own steps (scan,
+    plan, to_mixed_precision, to_onnx) and re-sealed. The same graph ``--fp16`` writes, without the
+    export's FP16 validation, naive-conversion report and plot (35 s of a 3-minute test budget);
+    the runtime's FP16 path is then judged by its own check_parity."""
+    import torch
+
+    from mbert.export.bundle import write_manifest
+    from mbert.export.onnx import to_onnx
+    from mbert.export.precision import plan, scan, to_mixed_precision
+    from mbert.modeling import load_model, load_pooling
+
+    out = _ROOT / "bundle-mean-fp16"
+    shutil.copytree(bundle("mean"), out)
+    model = load_model(checkpoint("mean"))
+    g = torch.Generator().manual_seed(0)
+    batches = [(ids := torch.randint(0, 50000, (2, n), generator=g), torch.ones_like(ids)) for n in (16, MAX_LEN)]
+    the_plan = plan(scan(model, batches))
+    to_onnx(to_mixed_precision(model, the_plan), out / "model.fp16.onnx", pooling=load_pooling(out),
+            max_seq_len=MAX_LEN)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest.pop("files")
+    manifest["artifacts"]["onnx_fp16"] = "model.fp16.onnx"
+    manifest["precision"] = {"plan": None, "margin": the_plan.margin, "fp32_layers": the_plan.fp32_layers(),
+                             "decisions": [], "max_abs_seen": 1.0}
+    write_manifest(out, manifest)
+    return out
 
 
 def copy_bundle(kind: str, dest: Path) -> Path:
