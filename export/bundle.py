@@ -96,8 +96,17 @@ def file_table(folder: Path) -> dict[str, dict]:
     return table
 
 
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON without the ``manifest_sha256`` key itself, so an
+    edit to any recorded value (max_seq_len, io, pooling, ...) is detected, not only file swaps."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def write_manifest(folder: Path, manifest: dict) -> None:
+    manifest = {k: v for k, v in manifest.items() if not k.startswith("_") and k != "manifest_sha256"}
     manifest = dict(manifest, format_version=FORMAT_VERSION, files=file_table(folder))
+    manifest["manifest_sha256"] = manifest_digest(manifest)
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
@@ -120,6 +129,9 @@ def read_manifest(bundle: Path, verify: bool = True) -> dict:
             "re-export the model with this version (mbert-export --overwrite ...)"
         )
     if verify:
+        if "manifest_sha256" in manifest and manifest["manifest_sha256"] != manifest_digest(manifest):
+            raise BundleError(f"{path}: edited after export (manifest_sha256 does not match its content); "
+                              "re-export the model (mbert-export --overwrite ...) rather than editing the manifest")
         verify_files(bundle, manifest)
     return manifest
 

@@ -14,12 +14,11 @@
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
-from mbert.export.bundle import MANIFEST, read_manifest
+from mbert.export.bundle import MANIFEST, manifest_digest, read_manifest
 from mbert.modeling.errors import BundleError, MbertError
 
 REEXPORT = "re-export the bundle (mbert-export SOURCE --out BUNDLE --overwrite) rather than editing it"
@@ -32,12 +31,6 @@ def open_manifest(bundle: str | Path, verify: bool = True) -> dict:
     manifest = read_manifest(bundle, verify=verify)
     check_manifest(bundle, manifest)
     return manifest
-
-
-def manifest_digest(manifest: dict) -> str:
-    """sha256 of the manifest's canonical JSON without the ``manifest_sha256`` key itself."""
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def expected_outputs(task: str, pooling: dict | None, hidden: int, vocab: int, labels: int) -> dict[str, list]:

@@ -121,10 +121,16 @@ def copy_bundle(kind: str, dest: Path) -> Path:
     return dest
 
 
-def edit_manifest(folder: Path, edit) -> None:
+def edit_manifest(folder: Path, edit, reseal: bool = True) -> None:
+    """Edit a bundle's manifest. ``reseal`` recomputes its manifest_sha256 afterwards, as a careful
+    hand-edit would, so that the runtime's cross-checks (not the digest) must catch the edit."""
+    from mbert.export.bundle import manifest_digest
+
     path = folder / "manifest.json"
     manifest = json.loads(path.read_text())
     edit(manifest)
+    if reseal:
+        manifest["manifest_sha256"] = manifest_digest(manifest)
     path.write_text(json.dumps(manifest, indent=2))
 
 
