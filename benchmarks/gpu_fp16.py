@@ -54,7 +54,7 @@ def main() -> None:
     import transformers
 
     from helpers import make_checkpoint
-    from mbert.export.fp16 import scan_batches
+    from mbert.export.precision import scan_batches
     from mbert.export.precision import plan, scan, to_mixed_precision
     from mbert.export.texts import calibration_texts
     from mbert.export.validate import build_cases, default_grid, load_tokenizer

@@ -12,7 +12,7 @@ import torch
 
 from .onnx import GraphModule, to_onnx
 from .precision import plan as make_plan
-from .precision import save_precision, scan, scan_table, to_mixed_precision
+from .precision import save_precision, scan, scan_batches, scan_table, to_mixed_precision
 from .validate import Case, Tolerance, compare, onnx_runner
 
 # Mixed FP16 graph vs FP32 eager. FP16 keeps 11 significant bits, so per-token vectors agree to
@@ -36,26 +36,6 @@ class Fp16Outcome:
     engine: dict | None
     scan_rows: list = field(default_factory=list)
     engine_note: str = ""
-
-
-def scan_batches(tokenizer, texts, max_len: int):
-    """One right-sized batch per text (no padding), truncated to the bundle's max length."""
-    tokenizer = _copy_tokenizer(tokenizer, max_len)
-    batches = []
-    for text in texts:
-        ids = tokenizer.encode(text).ids
-        t = torch.tensor([ids], dtype=torch.int64)
-        batches.append((t, torch.ones_like(t)))
-    return batches
-
-
-def _copy_tokenizer(tokenizer, max_len: int):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_str(tokenizer.to_str())
-    tok.no_padding()
-    tok.enable_truncation(max_len)
-    return tok
 
 
 def run_fp16(model, pooling, tokenizer, texts, cases, reference, tmp: Path, max_len: int, options, stages) -> Fp16Outcome:

@@ -88,13 +88,35 @@ class ScanReport:
         return cls([SiteStat(**s) for s in d["stats"]], d["num_texts"], d["num_tokens"], d["max_len"], d["percentile"])
 
 
-@torch.no_grad()
-def scan(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ScanReport:
-    """Max |x| and a high percentile at every FP16-sensitive site, over ``batches`` of (ids, mask).
+def scan_batches(tokenizer, texts: Sequence[str], max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One batch per text (no padding), tokenized with ``tokenizer`` and truncated to ``max_len``."""
+    from tokenizers import Tokenizer
 
-    Run the model in FP32; pass one text per batch (no padding) so padded positions cannot
-    inflate or hide a value.
+    tok = Tokenizer.from_str(tokenizer.to_str())  # a private copy: padding off, our truncation
+    tok.no_padding()
+    tok.enable_truncation(max_len)
+    batches = []
+    for text in texts:
+        ids = torch.tensor([tok.encode(text).ids], dtype=torch.int64)
+        batches.append((ids, torch.ones_like(ids)))
+    return batches
+
+
+@torch.no_grad()
+def scan(model: nn.Module, texts_or_batches: Sequence, max_len: int | None = None) -> ScanReport:
+    """Max |x| and a high percentile at every FP16-sensitive site of the FP32 ``model``.
+
+    ``texts_or_batches``: strings (tokenized with the checkpoint's own ``tokenizer.json``, one text
+    per batch, truncated to ``max_len`` or the model's max positions) or (ids, mask) batches. One
+    text per batch means no padding, so padded positions cannot inflate or hide a value.
     """
+    batches = list(texts_or_batches)
+    if batches and isinstance(batches[0], str):
+        from .validate import load_tokenizer
+
+        device = next(model.parameters()).device
+        max_len = max_len or model.config.max_position_embeddings
+        batches = [(i.to(device), m.to(device)) for i, m in scan_batches(load_tokenizer(model.source.path), batches, max_len)]
     encoder = model if hasattr(model, "layers") else model.model
     if encoder.final_norm.weight.dtype != torch.float32:
         raise PrecisionError("scan needs the FP32 model (load it with dtype=None)")

@@ -45,6 +45,9 @@ def test_fp32_model_is_fine_but_fp16_residual_overflows(overflow_bundle):
     assert torch.isfinite(out).all()
     assert report.get(OVERFLOW_LAYER, "resid_mlp").max_abs > FP16_MAX  # would be inf in FP16
     assert report.get(0, "resid_mlp").max_abs < 100
+    from_texts = scan(model, ["It's time for tea.", "A longer text about tea. " * 40], max_len=128)  # the API
+    assert from_texts.num_texts == 2 and from_texts.max_len <= 128
+    assert from_texts.get(OVERFLOW_LAYER, "resid_mlp").max_abs > FP16_MAX
 
 
 def test_plan_names_the_layer(overflow_bundle):
