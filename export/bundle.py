@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mbert.modeling.checkpoint import SIDE_FILES
-from mbert.modeling.errors import BundleError
+from mbert.modeling.errors import BundleError, read_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -104,7 +104,7 @@ def manifest_digest(manifest: dict) -> str:
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
-    manifest = {k: v for k, v in manifest.items() if not k.startswith("_") and k != "manifest_sha256"}
+    manifest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     manifest = dict(manifest, format_version=FORMAT_VERSION, files=file_table(folder))
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n", encoding="utf-8")
@@ -118,10 +118,7 @@ def read_manifest(bundle: Path, verify: bool = True) -> dict:
         raise BundleError(f"{bundle}: no such bundle folder")
     if not path.is_file():
         raise BundleError(f"{bundle}: no {MANIFEST}; not a bundle, or an interrupted export")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BundleError(f"{path}: unreadable manifest ({exc})") from exc
+    manifest = read_json(path, BundleError)
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
         raise BundleError(

@@ -60,7 +60,7 @@ def _summary(result) -> str:
     parts.append(_table(rows, ("artifact", "output", "max abs err", "worst cosine", "verdict")))
     if result.scan_rows:
         parts.append("\nFP16 overflow scan, per layer (max |x| over calibration text; FP16 max 65504):")
-        parts.append(_table(_per_layer(result.scan_rows, m), ("layer", "kind", "max |x|", "at site", "headroom", "runs in")))
+        parts.append(_table(_per_layer(result.scan_rows, result.plan), ("layer", "kind", "max |x|", "at site", "headroom", "runs in")))
         decisions = (m.get("precision") or {}).get("decisions") or []
         parts.append("FP32 decisions: " + ("; ".join(decisions) if decisions else "none (every site fits FP16 with the margin)"))
     if result.engine_note:
@@ -68,10 +68,7 @@ def _summary(result) -> str:
     return "\n".join(parts)
 
 
-def _per_layer(scan_rows, manifest) -> list[tuple]:
-    import json
-
-    plan = json.loads((Path(manifest["_bundle"]) / "precision.json").read_text())["plan"]
+def _per_layer(scan_rows, plan: dict) -> list[tuple]:
     by_layer: dict[str, tuple] = {}
     for layer, site, mx, _pct, headroom, _verdict in scan_rows:
         if layer not in by_layer or float(mx) > float(by_layer[layer][0]):
@@ -137,7 +134,6 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, calibration, mar
                                 workspace_gib=workspace_gib, engine=not no_engine)
         t0 = time.perf_counter()
         result = export_bundle(model, options, report=_echo)
-        result.manifest["_bundle"] = str(result.bundle)
         click.echo(_summary(result))
         click.echo(f"\nTotal {time.perf_counter() - t0:.1f}s")
     except click.UsageError:

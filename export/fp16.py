@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mbert.modeling.model import encoder_of
+
 from .onnx import GraphModule, to_onnx
 from .precision import plan as make_plan
 from .precision import save_precision, scan, scan_batches, scan_table, to_mixed_precision
@@ -35,6 +37,7 @@ class Fp16Outcome:
     summary: dict
     engine: dict | None
     scan_rows: list = field(default_factory=list)
+    plan: dict | None = None
     engine_note: str = ""
 
 
@@ -69,7 +72,7 @@ def run_fp16(model, pooling, tokenizer, texts, cases, reference, tmp: Path, max_
         "max_abs_seen": max(s.max_abs for s in report.stats),
     }
     engine, note = stages.run("engine", build_engine_stage, tmp, max_len, options, cases)
-    return Fp16Outcome(validation, summary, engine, scan_table(report, plan), note)
+    return Fp16Outcome(validation, summary, engine, scan_table(report, plan), plan.to_dict(), note)
 
 
 def naive_report(fp32_onnx: Path, reference, cases, tolerances) -> dict:
@@ -95,8 +98,7 @@ def naive_report(fp32_onnx: Path, reference, cases, tolerances) -> dict:
 def per_layer_kind(model, mixed, cases: list[Case]) -> dict:
     """Worst per-token cosine and max abs error of each layer's output (mixed eager vs FP32 eager),
     grouped by layer kind (global / local)."""
-    enc = model if hasattr(model, "layers") else model.model
-    menc = mixed if hasattr(mixed, "layers") else mixed.model
+    enc, menc = encoder_of(model), encoder_of(mixed)
     worst = {"global": [1.0, 0.0], "local": [1.0, 0.0]}
     for case in cases:
         ids, mask = torch.from_numpy(case.input_ids), torch.from_numpy(case.attention_mask)

@@ -48,6 +48,7 @@ class ExportResult:
     manifest: dict
     timings: dict[str, float] = field(default_factory=dict)
     scan_rows: list = field(default_factory=list)
+    plan: dict | None = None  # the FP16 plan (Plan.to_dict()), with --fp16
     engine_note: str = ""
 
 
@@ -102,6 +103,7 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
             manifest["precision"] = fp16_out.summary
             manifest["engine"] = fp16_out.engine
             result.scan_rows, result.engine_note = fp16_out.scan_rows, fp16_out.engine_note
+            result.plan = fp16_out.plan
         stages.run("write", _write, source, tmp, manifest, options)
         result.manifest = json.loads((tmp / bundle_mod.MANIFEST).read_text())
     result.timings = stages.timings

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mbert.modeling.errors import PrecisionError
-from mbert.modeling.model import Probe
+from mbert.modeling.model import Probe, encoder_of
 
 FP16_MAX = 65504.0
 # 8x (three binary orders of magnitude) headroom by default: the scan sees a finite sample of
@@ -117,7 +117,7 @@ def scan(model: nn.Module, texts_or_batches: Sequence, max_len: int | None = Non
         device = next(model.parameters()).device
         max_len = max_len or model.config.max_position_embeddings
         batches = [(i.to(device), m.to(device)) for i, m in scan_batches(load_tokenizer(model.source.path), batches, max_len)]
-    encoder = model if hasattr(model, "layers") else model.model
+    encoder = encoder_of(model)
     if encoder.final_norm.weight.dtype != torch.float32:
         raise PrecisionError("scan needs the FP32 model (load it with dtype=None)")
     acc: dict[tuple[int | None, str], list[float]] = {}
@@ -251,7 +251,6 @@ def plan(report: ScanReport, margin: float = DEFAULT_MARGIN) -> Plan:
 
 def to_mixed_precision(model: nn.Module, plan_: Plan) -> nn.Module:
     """A copy of the FP32 eager model with every parameter in the dtype the plan gives it."""
-    encoder_of = lambda m: m if hasattr(m, "layers") else m.model  # noqa: E731
     if len(plan_.layers) != len(encoder_of(model).layers):
         raise PrecisionError(f"the plan has {len(plan_.layers)} layers, the model {len(encoder_of(model).layers)}")
     mixed = copy.deepcopy(model)

@@ -8,7 +8,6 @@ is reported together in one :class:`CheckpointError` naming the file.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +15,8 @@ from pathlib import Path
 import torch
 
 from .config import ModernBertConfig
-from .errors import CheckpointError
-from .model import build_model
+from .errors import CheckpointError, read_json
+from .model import build_model, encoder_of
 
 # Files a bundle or the runtime may need besides the weights.
 SIDE_FILES = (
@@ -133,18 +132,11 @@ def load_model(
     assert set(missing) <= {"decoder.weight"}, missing  # only the tied decoder, checked above
     if cfg.tie_word_embeddings and hasattr(model, "decoder"):
         model.decoder.weight = model.model.embeddings.tok_embeddings.weight
-    _init_buffers(model, cfg)
     model = model.to(device=device, dtype=dtype or torch.float32).eval()
+    encoder_of(model).init_rope()
     model.requires_grad_(False)
     model.source = resolved
     return model
-
-
-def _init_buffers(model: torch.nn.Module, cfg: ModernBertConfig) -> None:
-    encoder = model if hasattr(model, "layers") else model.model
-    for kind, theta in (("global", cfg.global_rope_theta), ("local", cfg.local_rope_theta)):
-        exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
-        setattr(encoder, f"{kind}_inv_freq", 1.0 / (theta**exponent))
 
 
 def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -192,10 +184,10 @@ def _read_bin(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_sharded(index: Path, reader) -> dict[str, torch.Tensor]:
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{index}: not a valid shard index (needs a 'weight_map')") from exc
+    weight_map = read_json(index, CheckpointError)
+    if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+        raise CheckpointError(f"{index}: not a valid shard index (needs a 'weight_map')")
+    weight_map = weight_map["weight_map"]
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         tensors = reader(index.parent / shard)

@@ -7,13 +7,12 @@ the published (transformers 4.x) keys ``global_rope_theta`` / ``local_rope_theta
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, read_json
 
 # Every ``hidden_activation`` transformers' ACT2FN accepts that makes sense for a GeGLU gate.
 ACTIVATIONS = (
@@ -102,12 +101,7 @@ class ModernBertConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> "ModernBertConfig":
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config.json not found")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+        raw = read_json(path, ConfigError)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object at the top level")
         return cls.from_dict(raw, source=str(path))

@@ -49,3 +49,17 @@ class EngineError(MbertError):
 
 class BundleError(MbertError):
     """A bundle folder is missing, incomplete, tampered with or built for another machine."""
+
+
+def read_json(path, error: type[MbertError]):
+    """Parse a JSON file; a missing, unreadable or malformed file raises ``error`` naming the file."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise error(f"{path}: file not found") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from exc

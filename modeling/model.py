@@ -218,8 +218,17 @@ class ModernBertModel(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.final_norm = LayerNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_bias)
         self.window = cfg.window_half_width  # local layers see |i - j| <= window; also the block size
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)build the two RoPE inverse-frequency tables, in FP32, on the weights' device.
+
+        They come from the thetas, not the checkpoint; the loader calls this again after moving
+        the model so that a model loaded in FP16 still rotates with FP32 frequencies.
+        """
+        cfg, device = self.config, self.final_norm.weight.device
         for kind, theta in (("global", cfg.global_rope_theta), ("local", cfg.local_rope_theta)):
-            exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
+            exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device) / cfg.head_dim
             self.register_buffer(f"{kind}_inv_freq", 1.0 / (theta**exponent), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -305,6 +314,11 @@ MODEL_CLASSES = {
     "sequence-classification": ModernBertForSequenceClassification,
     "token-classification": ModernBertForTokenClassification,
 }
+
+
+def encoder_of(model: nn.Module) -> ModernBertModel:
+    """The ModernBertModel inside ``model`` (itself for an encoder checkpoint, ``.model`` for heads)."""
+    return model if isinstance(model, ModernBertModel) else model.model
 
 
 def build_model(cfg: ModernBertConfig) -> nn.Module:

@@ -8,7 +8,6 @@ other than Transformer / Pooling / Normalize (Dense, LayerNorm, ...) are refused
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import PoolingError
+from .errors import PoolingError, read_json
 from .model import MASK_FILL
 
 # sentence-transformers' concatenation order when several modes are enabled
@@ -125,7 +124,7 @@ def load_pooling(source: str | Path) -> PoolingConfig | None:
     modules_file = root / "modules.json"
     if not modules_file.is_file():
         return None
-    modules = _read_json(modules_file)
+    modules = _read(modules_file)
     if not isinstance(modules, list):
         raise PoolingError(f"{modules_file}: expected a list of modules")
     kinds = [m.get("type") for m in modules if isinstance(m, dict)]
@@ -138,13 +137,13 @@ def load_pooling(source: str | Path) -> PoolingConfig | None:
         raise PoolingError(f"{modules_file}: expected exactly one Pooling module, found {len(pool_entries)}")
 
     pool_file = root / pool_entries[0].get("path", "1_Pooling") / "config.json"
-    raw = _read_json(pool_file)
+    raw = _read(pool_file)
     modes = _modes(raw, pool_file)
 
     max_len = None
     sbert = root / "sentence_bert_config.json"
     if sbert.is_file():
-        max_len = _read_json(sbert).get("max_seq_length")
+        max_len = _read(sbert).get("max_seq_length")
         if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
             raise PoolingError(f"{sbert}: key 'max_seq_length' must be a positive integer, got {max_len!r}")
 
@@ -152,7 +151,7 @@ def load_pooling(source: str | Path) -> PoolingConfig | None:
     default_prompt = None
     st_cfg = root / "config_sentence_transformers.json"
     if st_cfg.is_file():
-        raw_st = _read_json(st_cfg)
+        raw_st = _read(st_cfg)
         prompts = raw_st.get("prompts") or {}
         if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
             raise PoolingError(f"{st_cfg}: key 'prompts' must map names to strings")
@@ -182,10 +181,5 @@ def _modes(raw: dict[str, Any], path: Path) -> tuple[str, ...]:
     return modes
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise PoolingError(f"{path}: file not found") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PoolingError(f"{path}: not valid JSON ({exc})") from exc
+def _read(path: Path) -> Any:
+    return read_json(path, PoolingError)

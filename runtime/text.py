@@ -21,7 +21,6 @@ import numpy as np
 
 from mbert.modeling.errors import TokenizerError
 
-MASK_FILL = -65504.0  # as mbert.modeling.model.MASK_FILL: the pooling module's fill for max pooling
 CHARS_PER_TOKEN = 12  # prefix length (per allowed token) at which very long texts are cut before tokenizing
 _WHITESPACE = re.compile(r"\s")
 
@@ -140,31 +139,16 @@ def pad_batch(rows: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[
 
 
 def pool(hidden: np.ndarray, mask: np.ndarray, modes: Sequence[str], normalize: bool) -> np.ndarray:
-    """``Pooling.forward`` in numpy: [B, T, D] float32, [B, T] 0/1 -> [B, D * len(modes)] float32."""
-    hidden = np.asarray(hidden, dtype=np.float32)
-    m = mask.astype(np.float32)
-    rows = np.arange(hidden.shape[0])
-    count = np.maximum(m.sum(axis=1, keepdims=True), 1e-9)
-    out = []
-    for mode in modes:
-        if mode == "cls":  # the first token the mask keeps
-            out.append(hidden[rows, mask.astype(np.int32).argmax(axis=1)])
-        elif mode == "max":
-            out.append(np.where(m[..., None] > 0, hidden, np.float32(MASK_FILL)).max(axis=1))
-        elif mode in ("mean", "mean_sqrt_len_tokens"):
-            s = np.einsum("btd,bt->bd", hidden, m)
-            out.append(s / (count if mode == "mean" else np.sqrt(count)))
-        elif mode == "weightedmean":
-            w = m * np.arange(1, hidden.shape[1] + 1, dtype=np.float32)[None, :]
-            out.append(np.einsum("btd,bt->bd", hidden, w) / np.maximum(w.sum(axis=1, keepdims=True), 1e-9))
-        elif mode == "lasttoken":
-            last = np.maximum(mask.astype(np.int64).sum(axis=1) - 1, 0)
-            out.append(hidden[rows, last])
-        else:
-            raise ValueError(f"unsupported pooling mode {mode!r}")
-    pooled = out[0] if len(out) == 1 else np.concatenate(out, axis=-1)
-    pooled = pooled.astype(np.float32, copy=False)
-    return l2_normalize(pooled) if normalize else pooled
+    """The exporter's own pooling (``mbert.modeling.pooling.Pooling``, the module inside the graph) on
+    numpy arrays: [B, T, D], [B, T] 0/1 -> [B, D * len(modes)] float32."""
+    import torch
+
+    from mbert.modeling.pooling import Pooling
+
+    with torch.no_grad():
+        pooled = Pooling(tuple(modes), normalize)(torch.from_numpy(np.asarray(hidden, dtype=np.float32)),
+                                                  torch.from_numpy(np.asarray(mask)))
+    return pooled.numpy()
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:

@@ -321,10 +321,11 @@ def test_long_text_prefix_tokenization_equals_full_truncation():
 
 @pytest.mark.parametrize("modes", [("cls",), ("mean",), ("max",), ("mean_sqrt_len_tokens",), ("weightedmean",),
                                    ("lasttoken",), ("cls", "mean", "max")])
-def test_numpy_pooling_equals_the_graph_pooling_module(modes):
+def test_runtime_pooling_equals_sentence_transformers(modes):
+    """Every pooling mode (and a concatenation) against sentence-transformers' own Pooling module."""
     import torch
+    from sentence_transformers.sentence_transformer.modules.pooling import Pooling as STPooling
 
-    from mbert.modeling import PoolingConfig
     from mbert.runtime import pool
 
     rng = np.random.default_rng(0)
@@ -332,7 +333,9 @@ def test_numpy_pooling_equals_the_graph_pooling_module(modes):
     mask = np.zeros((3, 11), dtype=np.int64)
     for r, n in enumerate((11, 4, 1)):
         mask[r, :n] = 1
-    mask[0, :2] = 0  # prompt tokens excluded from pooling
-    for normalize in (False, True):
-        want = PoolingConfig(modes=modes, normalize=normalize).module()(torch.from_numpy(hidden), torch.from_numpy(mask))
-        np.testing.assert_allclose(pool(hidden, mask, modes, normalize), want.numpy(), atol=1e-5)
+    st = STPooling(embedding_dimension=8, pooling_mode=modes if len(modes) > 1 else modes[0])
+    want = st({"token_embeddings": torch.from_numpy(hidden), "attention_mask": torch.from_numpy(mask)})
+    want = want["sentence_embedding"].numpy()
+    np.testing.assert_allclose(pool(hidden, mask, modes, False), want, atol=1e-5)
+    normed = want / np.linalg.norm(want, axis=-1, keepdims=True)
+    np.testing.assert_allclose(pool(hidden, mask, modes, True), normed, atol=1e-5)
