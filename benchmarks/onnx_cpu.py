@@ -1,14 +1,17 @@
 #!/usr/bin/env python
-"""ModernBERT-base on CPU: this project's ONNX against transformers' ONNX, eager and sdpa.
+"""ModernBERT-base on CPU: this project's ONNX forms against transformers' ONNX, sdpa and eager.
 
 One seeded random full-size ModernBERT-base checkpoint (22 layers, built with the test helper),
-four systems side by side:
+these systems side by side (one trace of ``load_model(folder)`` with ``max_seq_len=8192``):
 
-  ours      mbert.export.onnx.to_onnx(load_model(folder), max_seq_len=8192) on ONNX Runtime CPU
-  hf-onnx   transformers' AutoModel (eager attention) through torch.onnx.export, as a user would:
-            dynamo=True with dynamic batch/sequence first, dynamo=False + dynamic_axes if that fails
-  hf-eager  transformers in PyTorch, attn_implementation="eager"
-  hf-sdpa   transformers in PyTorch, attn_implementation="sdpa"
+  ours-ort     target "onnxruntime": fused MultiHeadAttention in global layers (the ORT artifact)
+  ours-trt     target "tensorrt": standard ONNX ops, all heads at once (the TensorRT artifact) on ORT
+  ours-before  the graph before issue 11: standard ops, global layers one head at a time (rebuilt
+               here with a benchmark-only lowering of the same attention op, for "no slower than today")
+  hf-onnx      transformers' AutoModel (eager attention) through torch.onnx.export, as a user would:
+               dynamo=True with dynamic batch/sequence first, dynamo=False + dynamic_axes if that fails
+  hf-sdpa      transformers in PyTorch, attn_implementation="sdpa"
+  hf-eager     transformers in PyTorch, attn_implementation="eager" (not run unless asked for)
 
 Every (system, shape) runs in a fresh subprocess that loads only what that system needs, so peak
 RSS (ru_maxrss) is per system and shape; the increase over the RSS after loading is reported too.
@@ -18,7 +21,7 @@ benchmarks/.cache/ (git-ignored).
 
     python benchmarks/onnx_cpu.py                      # full run: 4x512, 1x2048, 1x8192
     python benchmarks/onnx_cpu.py --quick --out /tmp/x # smoke test: 2x128, 1x512, one timed run
-    python benchmarks/onnx_cpu.py --profile 1x2048     # ORT profiler on our graph: top op types
+    python benchmarks/onnx_cpu.py --profile 1x2048     # ORT profiler on ours-ort: top op types
 """
 from __future__ import annotations
 
@@ -38,27 +41,33 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("ours", "hf-onnx", "hf-eager", "hf-sdpa")
-LABELS = {"ours": "mbert ONNX (ORT)", "hf-onnx": "transformers ONNX (ORT)",
+SYSTEMS = ("ours-ort", "ours-trt", "ours-before", "hf-onnx", "hf-sdpa", "hf-eager")
+DEFAULT_SYSTEMS = SYSTEMS[:-1]
+OURS = ("ours-ort", "ours-trt", "ours-before")  # the graphs one export writes (ours-ort is "ours")
+ORT_SYSTEMS = OURS + ("hf-onnx",)
+LABELS = {"ours-ort": "mbert ONNX, ORT form (fused attention)", "ours-trt": "mbert ONNX, TensorRT form (on ORT)",
+          "ours-before": "mbert ONNX before issue 11 (per head)", "hf-onnx": "transformers ONNX (ORT)",
           "hf-eager": "transformers eager (torch)", "hf-sdpa": "transformers sdpa (torch)"}
 FULL_SHAPES, QUICK_SHAPES = "4x512,1x2048,1x8192", "2x128,1x512"
 # (shape, description, kind, other system, bound): speed = other latency / ours latency >= bound,
 # rss = ours peak RSS / other peak RSS <= bound.
-TARGETS = [
-    ("1x8192", "ours vs transformers-ONNX speed", "speed", "hf-onnx", 2.5),
-    ("1x8192", "ours vs sdpa speed", "speed", "hf-sdpa", 1.8),
-    ("1x8192", "ours / transformers-ONNX peak RSS", "rss", "hf-onnx", 0.25),
-    ("4x512", "ours vs transformers-ONNX speed", "speed", "hf-onnx", 1.0),
-    ("4x512", "ours vs eager speed", "speed", "hf-eager", 1.9),
+TARGETS = [  # issue 11
+    ("1x8192", "ours vs transformers-ONNX speed", "speed", "hf-onnx", 3.0),
+    ("1x8192", "ours / transformers-ONNX peak RSS", "rss", "hf-onnx", 0.125),
+    ("4x512", "ours vs ours before issue 11 (no slower)", "speed", "ours-before", 1.0),
+    ("1x2048", "ours vs ours before issue 11 (no slower)", "speed", "ours-before", 1.0),
 ]
 # Live [B, H, T, T] fp32 score-sized tensors at peak: transformers' ONNX measured 17 GB at 1 x 8192
-# (~5 copies + weights), eager ~4 copies. The other two systems are linear in T: no guard.
-SCORE_COPIES = {"hf-onnx": 5, "hf-eager": 4}
+# (~5 copies + weights), eager ~4 copies; the TensorRT form on ORT keeps ~3 (MatMul, Add, Softmax).
+# The others are linear in T (fused, or one head at a time): no guard.
+SCORE_COPIES = {"hf-onnx": 5, "hf-eager": 4, "ours-trt": 3}
 
 
 def paths(cache: Path) -> dict[str, Path]:
-    return {"ckpt": cache / "modernbert-base-random", "ours": cache / "onnx-ours" / "model.onnx",
-            "hf-onnx": cache / "onnx-hf" / "model.onnx"}
+    ours = cache / "onnx-ours-v2"
+    return {"ckpt": cache / "modernbert-base-random", "ours-ort": ours / "model.ort.onnx",
+            "ours-trt": ours / "model.trt.onnx", "ours-before": ours / "model.before.onnx",
+            "ours": ours / "model.ort.onnx", "hf-onnx": cache / "onnx-hf" / "model.onnx"}
 
 
 def proc_kb(file: str, key: str) -> int | None:
@@ -84,7 +93,7 @@ def child(system: str, B: int, T: int, repeats: int, threads: int, seed: int, ca
     ids = np.random.default_rng(seed).integers(0, cfg["vocab_size"], (B, T), dtype=np.int64)
     mask = np.ones_like(ids)
     torch_threads = None
-    if system in ("ours", "hf-onnx"):
+    if system in ORT_SYSTEMS:
         import onnxruntime as ort
 
         so = ort.SessionOptions()
@@ -128,27 +137,68 @@ def child(system: str, B: int, T: int, repeats: int, threads: int, seed: int, ca
     }))
 
 
-def export_child(what: str, cache: Path) -> None:
-    """Build the checkpoint or one ONNX file into the cache (run in a subprocess)."""
+SMALL = dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=2, intermediate_size=192)
+
+
+def export_child(what: str, cache: Path, small: bool) -> None:
+    """Build the checkpoint or one system's ONNX files into the cache (run in a subprocess)."""
     p = paths(cache)
     if what == "checkpoint":
         sys.path.insert(0, str(REPO / "tests"))
         from helpers import make_checkpoint
 
-        make_checkpoint(p["ckpt"], "modernbert-base", seed=0)
+        make_checkpoint(p["ckpt"], "modernbert-base", seed=0, **(SMALL if small else {}))
         return
     p[what].parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if what == "ours":
-        from mbert.export.onnx import to_onnx
+        from mbert.export.onnx import export_targets
         from mbert.modeling import load_model
 
-        to_onnx(load_model(p["ckpt"]), p["ours"], max_seq_len=8192)
-        meta = {"method": "mbert.export.onnx.to_onnx (dynamo)"}
+        model = load_model(p["ckpt"])
+        export_targets(model, {"onnxruntime": p["ours-ort"], "tensorrt": p["ours-trt"]}, max_seq_len=8192)
+        export_before(model, p["ours-before"])
+        meta = {"method": "mbert.export.onnx.export_targets (dynamo), one trace for both targets; "
+                          "ours-before: the same trace with the per-head lowering of this script"}
     else:
         meta = export_hf(p["ckpt"], p["hf-onnx"])
     meta["export_s"] = round(time.perf_counter() - t0, 1)
     (p[what].parent / "export.json").write_text(json.dumps(meta, indent=2))
+
+
+def per_head_attention(q, k, v, bias):
+    """The attention of the graph before issue 11: global layers one head at a time (standard ops)."""
+    from onnxscript import opset18 as op
+
+    from mbert.export.lowering import standard_attention
+
+    if len(q.shape) != 4 or bias.shape[2] != 1:
+        return standard_attention(q, k, v, bias)
+    heads = []
+    for h in range(q.shape[1]):
+        q1, k1, v1 = (op.Slice(x, op.Constant(value_ints=[h]), op.Constant(value_ints=[h + 1]),
+                               op.Constant(value_ints=[1])) for x in (q, k, v))
+        scores = op.MatMul(q1, op.Transpose(k1, perm=[0, 1, 3, 2]))
+        probs = op.Softmax(op.Add(op.Cast(scores, to=1), bias), axis=-1)
+        heads.append(op.MatMul(op.CastLike(probs, v1), v1))
+    return op.Concat(*heads, axis=1)
+
+
+def export_before(model, path: Path) -> None:
+    import torch
+
+    from mbert.export.onnx import GraphModule, check_graph
+
+    graph = GraphModule(model, None).eval()
+    ids = torch.zeros((2, 131), dtype=torch.int64)
+    seq = torch.export.Dim("sequence", min=1, max=8192)
+    dims = {0: torch.export.Dim("batch", min=1, max=4096), 1: seq}
+    program = torch.onnx.export(graph, (ids, torch.ones_like(ids)), None, dynamo=True,
+                                input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
+                                dynamic_shapes={"input_ids": dims, "attention_mask": dims}, opset_version=18,
+                                custom_translation_table={torch.ops.mbert.attention.default: per_head_attention})
+    program.save(str(path))
+    check_graph(path)
 
 
 def export_hf(folder: Path, path: Path) -> dict:
@@ -210,12 +260,14 @@ def prepare(args, systems: list[str]) -> dict:
             shutil.rmtree(p[key] if key == "ckpt" else p[key].parent, ignore_errors=True)
     # the last file each build writes marks it finished (make_checkpoint copies the tokenizer files last)
     todo = [("checkpoint", p["ckpt"] / "special_tokens_map.json")]
-    todo += [(s, p[s].parent / "export.json") for s in ("ours", "hf-onnx") if s in systems]
+    todo += [(s, p[s].parent / "export.json") for s in ("ours", "hf-onnx")
+             if s in systems or (s == "ours" and set(OURS) & set(systems))]
     meta = {}
     for what, target in todo:
         if not target.exists():
             print(f"building {what} -> {target} ...", flush=True)
-            rc = subprocess.run([sys.executable, __file__, "--export", what, "--cache", str(args.cache)]).returncode
+            cmd = [sys.executable, __file__, "--export", what, "--cache", str(args.cache)] + (["--small"] if args.small else [])
+            rc = subprocess.run(cmd).returncode
             if rc != 0:
                 meta[what] = {"error": f"building {what} failed (exit {rc}); see the log above"}
                 continue
@@ -227,8 +279,9 @@ def prepare(args, systems: list[str]) -> dict:
 
 
 def run_one(args, system: str, B: int, T: int, repeats: int, cfg: dict, meta: dict) -> dict:
-    if "error" in meta.get(system, {}):
-        return {"status": "failed", "reason": meta[system]["error"]}
+    built = "ours" if system in OURS else system
+    if "error" in meta.get(built, {}):
+        return {"status": "failed", "reason": meta[built]["error"]}
     need = estimate_gib(system, B, T, cfg, args.weights_bytes)
     faked = args.mem_limit_gb is not None
     avail = args.mem_limit_gb if faked else proc_kb("/proc/meminfo", "MemAvailable") / 2**20
@@ -266,8 +319,8 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} logical CPUs, {proc_kb('/proc/meminfo', 'MemTotal') / 2**20:.1f} GiB RAM"
 
 
-def ratio(res: dict, shape: str, kind: str, other: str) -> float | None:
-    a, b = res.get(("ours", shape), {}), res.get((other, shape), {})
+def ratio(res: dict, shape: str, kind: str, other: str, ours: str = "ours-ort") -> float | None:
+    a, b = res.get((ours, shape), {}), res.get((other, shape), {})
     if a.get("status") != "ok" or b.get("status") != "ok":
         return None
     return b["latency_s"] / a["latency_s"] if kind == "speed" else a["peak_rss_gib"] / b["peak_rss_gib"]
@@ -280,7 +333,9 @@ def report(args, shapes, systems, res: dict, meta: dict) -> list[str]:
     hf = meta.get("hf-onnx", {})
     hf_line = hf.get("error") or f"{hf.get('method', '-')}" + (
         f" (failed first: {'; '.join(f'{k}: {v}' for k, v in hf['errors'].items())})" if hf.get("errors") else "")
-    L = [f"# ONNX on CPU: ModernBERT-base (random weights, 22 layers)\n",
+    model = ("SMOKE TEST, 4-layer 128-wide random model (--small): not a result" if args.small
+             else "ModernBERT-base (random weights, 22 layers)")
+    L = [f"# ONNX on CPU: {model}\n",
          f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
          f"- machine: {machine()}",
          f"- versions: {', '.join(f'{k} {v}' for k, v in versions().items())}",
@@ -291,22 +346,22 @@ def report(args, shapes, systems, res: dict, meta: dict) -> list[str]:
          "- peak RSS: ru_maxrss of a fresh process per system and shape; increase: peak during the runs "
          "over the RSS after loading the model/session",
          f"- command: `python benchmarks/onnx_cpu.py {' '.join(sys.argv[1:])}`", "",
-         "| shape | system | latency (s) | tokens/s | peak RSS (GiB) | increase (GiB) | N | max abs diff vs ours |",
+         "| shape | system | latency (s) | tokens/s | peak RSS (GiB) | increase (GiB) | N | max abs diff vs ours-ort |",
          "|---|---|---:|---:|---:|---:|---:|---:|"]
     for shape in shapes:
-        ref = res.get(("ours", shape), {}).get("sample")
+        ref = res.get(("ours-ort", shape), {}).get("sample")
         for s in systems:
             r = res[(s, shape)]
             if r["status"] != "ok":
                 L.append(f"| {shape} | {LABELS[s]} | {r['status']}: {r['reason']} | | | | | |")
                 continue
-            diff = "-" if not ref or s == "ours" else f"{max(abs(x - y) for x, y in zip(r['sample'], ref)):.1e}"
+            diff = "-" if not ref or s == "ours-ort" else f"{max(abs(x - y) for x, y in zip(r['sample'], ref)):.1e}"
             L.append(f"| {shape} | {LABELS[s]} | {r['latency_s']:.3f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['peak_rss_gib']:.2f} | {r['increase_gib']:.2f} | {len(r['times_s'])} | {diff} |")
-    L += ["", "## Ratios (ours against each)", "",
+    L += ["", "## Ratios (ours = the ORT form, against each)", "",
           "| shape | other | speed-up (other latency / ours) | peak RSS (ours / other) |", "|---|---|---:|---:|"]
     for shape in shapes:
-        for s in [s for s in systems if s != "ours"] if "ours" in systems else []:
+        for s in [s for s in systems if s != "ours-ort"] if "ours-ort" in systems else []:
             sp, rs = ratio(res, shape, "speed", s), ratio(res, shape, "rss", s)
             L.append(f"| {shape} | {LABELS[s]} | {'n/a' if sp is None else f'{sp:.2f}x'} | "
                      f"{'n/a' if rs is None else f'{rs:.2f}'} |")
@@ -346,13 +401,13 @@ def plot(shapes, systems, res: dict, png: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_yscale("log")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(systems), fontsize=9)
-    fig.suptitle("ModernBERT-base on CPU: mbert ONNX vs transformers")
+    fig.suptitle("ModernBERT-base on CPU: mbert ONNX forms vs transformers")
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(png, dpi=120)
 
 
 def profile(args, shape: str) -> None:
-    """ORT's profiler on our graph at one shape: time per op type, summed over Node events."""
+    """ORT's profiler on one of our graphs at one shape: time per op type, summed over Node events."""
     import numpy as np
     import onnxruntime as ort
 
@@ -362,8 +417,8 @@ def profile(args, shape: str) -> None:
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads = args.threads, 1
     so.enable_profiling = True
-    so.profile_file_prefix = str(args.cache / f"ort_profile_{shape}")
-    sess = ort.InferenceSession(str(p["ours"]), so, providers=["CPUExecutionProvider"])
+    so.profile_file_prefix = str(args.cache / f"ort_profile_{args.profile_system}_{shape}")
+    sess = ort.InferenceSession(str(p[args.profile_system]), so, providers=["CPUExecutionProvider"])
     ids = np.random.default_rng(args.seed).integers(0, cfg["vocab_size"], (B, T), dtype=np.int64)
     feeds = dict(zip([i.name for i in sess.get_inputs()], (ids, np.ones_like(ids))))
     runs = 1 + (args.repeats or 1)
@@ -375,7 +430,7 @@ def profile(args, shape: str) -> None:
         if ev.get("cat") == "Node" and "op_name" in ev.get("args", {}):
             totals[ev["args"]["op_name"]] = totals.get(ev["args"]["op_name"], 0) + ev.get("dur", 0)
     total = sum(totals.values()) or 1
-    print(f"ORT profile of our graph at {shape}, {runs} runs (incl. warm-up), {args.threads} threads; trace: {trace}")
+    print(f"ORT profile of {args.profile_system} at {shape}, {runs} runs (incl. warm-up), {args.threads} threads; trace: {trace}")
     print(f"{'op type':<28}{'ms/run':>10}{'share':>8}")
     for op, dur in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
         print(f"{op:<28}{dur / 1e3 / runs:>10.1f}{100 * dur / total:>7.1f}%")
@@ -385,9 +440,11 @@ def profile(args, shape: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None, help=f"BxT list (default {FULL_SHAPES})")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
     ap.add_argument("--repeats", type=int, help="timed runs after the warm-up (default 3 for T <= 2048, 1 above)")
     ap.add_argument("--quick", action="store_true", help=f"smoke test: shapes {QUICK_SHAPES}, repeats 1")
+    ap.add_argument("--small", action="store_true",
+                    help="smoke test of the script itself: a 4-layer, 128-wide random model (own cache; no results)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--cache", type=Path, default=REPO / "benchmarks" / ".cache")
     ap.add_argument("--fresh", action="store_true", help="rebuild the cached checkpoint and ONNX files")
@@ -396,16 +453,17 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per (system, shape) child")
     ap.add_argument("--mem-limit-gb", type=float, help="pretend only this many GiB are free (tests the skip path)")
     ap.add_argument("--profile", nargs="?", const="1x2048", metavar="BxT",
-                    help="only run ORT's profiler on our graph at this shape (default 1x2048)")
+                    help="only run ORT's profiler on one of our graphs at this shape (default 1x2048)")
+    ap.add_argument("--profile-system", default="ours-ort", choices=OURS, help="the graph --profile runs")
     ap.add_argument("--child", nargs=3, metavar=("SYSTEM", "B", "T"), help=argparse.SUPPRESS)
     ap.add_argument("--export", choices=("checkpoint", "ours", "hf-onnx"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.cache = args.cache.resolve()
+    args.cache = (args.cache / "small" if args.small and not (args.child or args.export) else args.cache).resolve()
     if args.child:
         system, B, T = args.child
         return child(system, int(B), int(T), args.repeats, args.threads, args.seed, args.cache)
     if args.export:
-        return export_child(args.export, args.cache)
+        return export_child(args.export, args.cache, args.small)
 
     shapes = (args.shapes or (QUICK_SHAPES if args.quick else FULL_SHAPES)).split(",")
     systems = args.systems.split(",")
@@ -413,7 +471,7 @@ def main() -> None:
         args.repeats = 1
     if set(systems) - set(SYSTEMS):
         ap.error(f"unknown systems {sorted(set(systems) - set(SYSTEMS))}; choose from {', '.join(SYSTEMS)}")
-    meta = prepare(args, ["ours"] if args.profile else systems)
+    meta = prepare(args, [args.profile_system] if args.profile else systems)
     if args.profile:
         return profile(args, args.profile)
     p = paths(args.cache)
@@ -429,8 +487,8 @@ def main() -> None:
             print(f"{r['latency_s']:.3f} s, peak RSS {r['peak_rss_gib']:.2f} GiB" if r["status"] == "ok"
                   else f"{r['status']}: {r['reason']}", flush=True)
     lines = report(args, shapes, systems, res, meta)
-    default_run = shapes == FULL_SHAPES.split(",") and systems == list(SYSTEMS)
-    stem = "onnx_cpu" if default_run else "onnx_cpu_quick" if args.quick else "onnx_cpu_custom"
+    default_run = shapes == FULL_SHAPES.split(",") and set(systems) >= set(DEFAULT_SYSTEMS)
+    stem = "onnx_cpu" if default_run and not args.small else "onnx_cpu_quick" if args.quick else "onnx_cpu_custom"
     args.out.mkdir(parents=True, exist_ok=True)
     plot(shapes, systems, res, args.out / f"{stem}.png")
     lines += ["", f"![latency and peak RSS per shape]({stem}.png)"]

@@ -36,12 +36,16 @@ import math
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from torch import nn
 
 from mbert.modeling.errors import ExportError
 from mbert.modeling.pooling import PoolingConfig
+
+from .lowering import TARGETS, translation_table
+from .progress import Meter, ProgressFn
 
 OPSET = 18
 MIN_OPSET = 18  # see the module docstring
@@ -103,19 +107,33 @@ def input_specs() -> list[TensorSpec]:
     return [TensorSpec(n, "int64", ("batch", "sequence")) for n in INPUT_NAMES]
 
 
-def to_onnx(
+def _check_target(target: str, opset: int) -> None:
+    if opset < MIN_OPSET:
+        raise ExportError(f"opset {opset} is too low: LayerNormalization needs 17 and torch's exporter "
+                          f"writes {MIN_OPSET} or newer")
+    if target not in TARGETS:
+        raise ExportError(f"unknown ONNX target {target!r}: choose one of {', '.join(TARGETS)}")
+
+
+def export_targets(
     model: nn.Module,
-    path: str | Path,
+    paths: Mapping[str, str | Path],
     *,
     pooling: PoolingConfig | None = None,
     opset: int = OPSET,
     max_seq_len: int | None = None,
+    progress: ProgressFn | None = None,
 ) -> list[TensorSpec]:
-    """Export ``model`` (FP32 or mixed precision) to ``path``; returns the graph's I/O specs."""
-    if opset < MIN_OPSET:
-        raise ExportError(f"opset {opset} is too low: LayerNormalization needs 17 and torch's exporter "
-                          f"writes {MIN_OPSET} or newer")
-    path = Path(path)
+    """Trace ``model`` (FP32 or mixed precision) once and write one ONNX file per target.
+
+    ``paths``: target -> file. ``tensorrt``: standard ONNX ops only (every runtime loads it);
+    ``onnxruntime``: fused attention through ONNX Runtime's contrib ops (ONNX Runtime only); see
+    ``mbert.export.lowering``. Returns the graphs' I/O specs (the same for every target).
+    """
+    if not paths:
+        raise ExportError("export_targets needs at least one target")
+    for target in paths:
+        _check_target(target, opset)
     graph = GraphModule(model, pooling).eval()
     cfg = model.config
     max_seq_len = max_seq_len or cfg.max_position_embeddings
@@ -129,29 +147,54 @@ def to_onnx(
     batch = torch.export.Dim("batch", min=1, max=4096)
     seq = torch.export.Dim("sequence", min=1, max=max(max_seq_len, 2))
     dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
-    try:
-        with warnings.catch_warnings(), _quiet_loggers("torch.onnx", "onnxscript", "torch.export"):
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(
-                graph,
-                (ids.to(device), mask.to(device)),
-                None,
-                input_names=list(INPUT_NAMES),
-                output_names=list(graph.output_names),
-                opset_version=opset,
-                dynamo=True,
-                dynamic_shapes=dynamic,
-                optimize=True,
-                verbose=False,
-            )
-    except Exception as exc:  # the exporter raises many types; all mean the trace failed
-        raise ExportError(f"tracing {cfg.source} to ONNX failed: {type(exc).__name__}: {_first_line(exc)}") from exc
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     external = n_bytes > PROTOBUF_LIMIT - 64 * 1024**2
-    path.parent.mkdir(parents=True, exist_ok=True)
-    program.save(str(path), external_data=external)
-    check_graph(path)
+    meter = Meter("trace", 3 * len(paths), progress)
+    captured = None  # torch.export's program, captured by the first target and reused by the others
+    for target, path in paths.items():
+        path = Path(path)
+        try:
+            with warnings.catch_warnings(), _quiet_loggers("torch.onnx", "onnxscript", "torch.export"):
+                warnings.simplefilter("ignore")
+                program = torch.onnx.export(
+                    graph if captured is None else captured,
+                    (ids.to(device), mask.to(device)) if captured is None else (),
+                    None,
+                    input_names=list(INPUT_NAMES),
+                    output_names=list(graph.output_names),
+                    opset_version=opset,
+                    dynamo=True,
+                    dynamic_shapes=dynamic if captured is None else None,
+                    custom_translation_table=translation_table(target),
+                    optimize=True,
+                    verbose=False,
+                )
+        except Exception as exc:  # the exporter raises many types; all mean the trace failed
+            raise ExportError(f"tracing {cfg.source} to ONNX ({target}) failed: "
+                              f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        captured = program.exported_program
+        meter.advance(1, f"{target}: traced, translated and optimized")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        program.save(str(path), external_data=external)
+        meter.advance(1, f"{target}: saved {path.name}")
+        check_graph(path)
+        meter.advance(1, f"{target}: checked {path.name}")
     return input_specs() + graph.output_specs()
+
+
+def to_onnx(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    pooling: PoolingConfig | None = None,
+    opset: int = OPSET,
+    max_seq_len: int | None = None,
+    target: str = "tensorrt",
+    progress: ProgressFn | None = None,
+) -> list[TensorSpec]:
+    """Export ``model`` (FP32 or mixed precision) to ``path`` for ``target``; returns the graph's I/O specs."""
+    return export_targets(model, {target: path}, pooling=pooling, opset=opset, max_seq_len=max_seq_len,
+                          progress=progress)
 
 
 def graph_opset(path: str | Path) -> int:

@@ -29,6 +29,9 @@ from torch import nn
 from mbert.modeling.errors import PrecisionError
 from mbert.modeling.model import Probe, encoder_of
 
+from .device import model_on, resolve_device
+from .progress import Meter, ProgressFn, forward_flops
+
 FP16_MAX = 65504.0
 # 8x (three binary orders of magnitude) headroom by default: the scan sees a finite sample of
 # text, activations grow with input length and content (gte-modernbert-base peaks at 81% of the
@@ -37,12 +40,13 @@ FP16_MAX = 65504.0
 DEFAULT_MARGIN = 8.0
 PERCENTILE = 99.9
 _SAMPLE = 1 << 16  # elements sampled (evenly strided) per tensor for the percentile: 65 above p99.9
+_CHUNK = 1 << 24  # attention scores computed at once by the scan (64 MiB in FP32)
 
 # site -> which group of a layer it belongs to
 LAYER_SITES = {
     "resid_in": "residual",  # the residual stream entering the layer
     "attn.Wqkv": "attention",  # Wqkv output
-    "attn.scores": "attention",  # q k^T / sqrt(d), before masking
+    "attn.scores": "attention",  # q k^T / sqrt(d) before masking: every entry the graph computes
     "attn.out": "attention",  # softmax(..) v, the input of Wo
     "attn.Wo": "attention",  # attention branch output
     "resid_attn": "residual",  # residual stream after attention (input of mlp_norm)
@@ -102,48 +106,93 @@ def scan_batches(tokenizer, texts: Sequence[str], max_len: int) -> list[tuple[to
     return batches
 
 
+def _quantile(sample: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.quantile(sample, q)`` (linear interpolation) from the top order statistics only."""
+    n = sample.numel()
+    pos = q * (n - 1)  # ascending position
+    lo = int(pos)
+    top = sample.topk(n - lo).values  # descending: top[-1] is ascending[lo]
+    if lo + 1 >= n:
+        return top[-1]
+    return top[-1] + (pos - lo) * (top[-2] - top[-1])
+
+
+def tensor_stats(t: torch.Tensor) -> torch.Tensor:
+    """[max |x|, PERCENTILE of |x| over an evenly strided sample] as an FP32 tensor on t's device
+    (no copy of t, no device sync)."""
+    if t.numel() == 0:
+        return torch.zeros(2, device=t.device)
+    lo, hi = torch.aminmax(t.detach())
+    flat = t.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE].abs().float()
+    return torch.stack((torch.maximum(hi.float(), -lo.float()), _quantile(sample, PERCENTILE / 100)))
+
+
+def score_stats(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``tensor_stats(q @ k^T)`` without materializing the scores: the max in chunks of queries
+    (at most ``_CHUNK`` scores at once), the percentile from the same strided sample of the
+    flattened scores, each sampled entry computed as its own dot product."""
+    lq, lk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    n_batch = q.numel() // max(1, lq * d)
+    if n_batch * lq * lk == 0:
+        return torch.zeros(2, device=q.device)
+    kt = k.detach().transpose(-1, -2)
+    rows = max(1, _CHUNK // (n_batch * lk))
+    best = torch.zeros((), device=q.device)
+    for start in range(0, lq, rows):
+        lo, hi = torch.aminmax(q[..., start : start + rows, :].detach() @ kt)
+        best = torch.maximum(best, torch.maximum(hi.float(), -lo.float()))
+    numel = n_batch * lq * lk
+    idx = torch.arange(0, numel, max(1, numel // _SAMPLE), device=q.device)[:_SAMPLE]
+    b, r, c = idx // (lq * lk), (idx // lk) % lq, idx % lk
+    q2, k2 = q.detach().reshape(n_batch, lq, d), k.detach().reshape(n_batch, lk, d)
+    sample = (q2[b, r].float() * k2[b, c].float()).sum(-1).abs()
+    return torch.stack((best, _quantile(sample, PERCENTILE / 100)))
+
+
 @torch.no_grad()
-def scan(model: nn.Module, texts_or_batches: Sequence, max_len: int | None = None) -> ScanReport:
+def scan(model: nn.Module, texts_or_batches: Sequence, max_len: int | None = None, *,
+         device: str | torch.device | None = None, progress: ProgressFn | None = None) -> ScanReport:
     """Max |x| and a high percentile at every FP16-sensitive site of the FP32 ``model``.
 
     ``texts_or_batches``: strings (tokenized with the checkpoint's own ``tokenizer.json``, one text
     per batch, truncated to ``max_len`` or the model's max positions) or (ids, mask) batches. One
     text per batch means no padding, so padded positions cannot inflate or hide a value.
+    ``device``: where the forward passes run (``auto``: CUDA when available; default: where the
+    model is). ``progress`` gets a record per text, with an ETA from the FLOPs done so far.
     """
+    if encoder_of(model).final_norm.weight.dtype != torch.float32:
+        raise PrecisionError("scan needs the FP32 model (load it with dtype=None)")
+    model = model_on(model, resolve_device(device) if device is not None else next(model.parameters()).device)
+    run_device = next(model.parameters()).device
     batches = list(texts_or_batches)
     if batches and isinstance(batches[0], str):
         from .validate import load_tokenizer
 
-        device = next(model.parameters()).device
         max_len = max_len or model.config.max_position_embeddings
-        batches = [(i.to(device), m.to(device)) for i, m in scan_batches(load_tokenizer(model.source.path), batches, max_len)]
+        batches = scan_batches(load_tokenizer(model.source.path), batches, max_len)
     encoder = encoder_of(model)
-    if encoder.final_norm.weight.dtype != torch.float32:
-        raise PrecisionError("scan needs the FP32 model (load it with dtype=None)")
-    acc: dict[tuple[int | None, str], list[float]] = {}
+    acc: dict[tuple[int | None, str], torch.Tensor] = {}
 
-    def record(key, t: torch.Tensor):
-        t = t.detach()
-        m = float(torch.maximum(t.max(), -t.min())) if t.numel() else 0.0  # max |x| without a copy
-        flat = t.reshape(-1)
-        sample = flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE].abs().float()
-        pct = float(torch.quantile(sample, PERCENTILE / 100)) if sample.numel() else 0.0
+    def record(key, stats: torch.Tensor):
         prev = acc.get(key)
-        acc[key] = [max(m, prev[0]), max(pct, prev[1])] if prev else [m, pct]
-
-    hooks = []
+        acc[key] = stats if prev is None else torch.maximum(prev, stats)
 
     def out_hook(key):
-        return lambda mod, args, out: record(key, out)
+        return lambda mod, args, out: record(key, tensor_stats(out))
 
     def in_hook(key):
-        return lambda mod, args: record(key, args[0])
+        return lambda mod, args: record(key, tensor_stats(args[0]))
 
+    def scores_hook(key):
+        return lambda mod, args: record(key, score_stats(*args))
+
+    hooks = []
     for i, layer in enumerate(encoder.layers):
         hooks += [
             layer.register_forward_pre_hook(in_hook((i, "resid_in"))),
             layer.attn.Wqkv.register_forward_hook(out_hook((i, "attn.Wqkv"))),
-            layer.attn.scores.register_forward_hook(out_hook((i, "attn.scores"))),
+            layer.attn.scores.register_forward_pre_hook(scores_hook((i, "attn.scores"))),
             layer.attn.Wo.register_forward_pre_hook(in_hook((i, "attn.out"))),
             layer.attn.Wo.register_forward_hook(out_hook((i, "attn.Wo"))),
             layer.mlp_norm.register_forward_pre_hook(in_hook((i, "resid_attn"))),
@@ -157,12 +206,15 @@ def scan(model: nn.Module, texts_or_batches: Sequence, max_len: int | None = Non
         encoder.final_norm.register_forward_pre_hook(in_hook((None, "final_norm.input"))),
     ]
     assert sum(isinstance(m, Probe) for m in encoder.modules()) == len(encoder.layers)
-    tokens, max_len = 0, 0
+    lengths = [int(ids.shape[1]) for ids, _ in batches]
+    costs = [forward_flops(encoder.config, n) for n in lengths]  # the ETA's unit of work
+    meter = Meter("scan", sum(costs), progress)
+    tokens = 0
     try:
-        for ids, mask in batches:
-            model(ids, mask)
+        for n, ((ids, mask), cost) in enumerate(zip(batches, costs), 1):
+            model(ids.to(run_device), mask.to(run_device))
             tokens += int(mask.sum())
-            max_len = max(max_len, ids.shape[1])
+            meter.advance(cost, f"text {n}/{len(batches)} ({ids.shape[1]} tokens)")
     finally:
         for h in hooks:
             h.remove()
@@ -173,8 +225,10 @@ def scan(model: nn.Module, texts_or_batches: Sequence, max_len: int | None = Non
         layer, site = key
         return (position[site] if layer is None else layer, site_order[site])
 
-    stats = [SiteStat(k[0], k[1], *acc[k]) for k in sorted(acc, key=forward_order)]
-    return ScanReport(stats, len(batches), tokens, max_len)
+    keys = sorted(acc, key=forward_order)
+    values = torch.stack([acc[k] for k in keys]).cpu().tolist() if keys else []  # one device sync
+    stats = [SiteStat(k[0], k[1], *v) for k, v in zip(keys, values)]
+    return ScanReport(stats, len(batches), tokens, max(lengths, default=0))
 
 
 @dataclass

@@ -80,8 +80,15 @@ class LayerNorm(nn.Module):
         return y.to(x.dtype)
 
 
-class Probe(nn.Identity):
-    """A named point inside a forward pass (no parameters, no graph node) that the FP16 scan hooks."""
+class Probe(nn.Module):
+    """A named point inside a forward pass (no parameters, no graph node) that the FP16 scan hooks.
+
+    It returns its inputs unchanged. ``Attention.scores`` receives ``(q, k)``: the scores ``q k^T``
+    are never materialized by the fused attention, so the scan computes them from their factors.
+    """
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tensors
 
 
 def rope_tables(seq_len: int | torch.SymInt, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +117,28 @@ class Embeddings(nn.Module):
         return self.norm(x.to(self.norm.weight.dtype))
 
 
+@torch.library.custom_op("mbert::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T + bias) v``: the one definition of attention, lowered per target on export.
+
+    q [B, H, *blocks, Lq, d] (already scaled by 1/sqrt(d)), k [B, H, *blocks, Lk, d], v [.., Lk, dv];
+    bias: additive FP32 [B, 1, *blocks, Lq or 1, Lk] (finite, ``MASK_BIAS`` on hidden keys), the
+    same for every head. Returns [B, H, *blocks, Lq, dv] in v's dtype. Eager: PyTorch's
+    ``scaled_dot_product_attention`` (fused, FP32 softmax statistics); ONNX: the translations in
+    ``mbert.export.lowering`` (standard ops for TensorRT, a fused kernel for ONNX Runtime).
+    """
+    batch = q.shape[:1] + q.shape[2:-2]  # (B, *blocks): one batch axis, heads just before the sequence
+    q4, k4, v4 = (x.movedim(1, -3).flatten(0, -4) for x in (q, k, v))  # [N, H, L, d]
+    mask = bias.movedim(1, -3).flatten(0, -4).to(q.dtype)  # [N, 1, Lq or 1, Lk]
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=1.0)  # [N, H, Lq, dv]
+    return out.unflatten(0, batch).movedim(-3, 1).to(v.dtype)
+
+
+@attention.register_fake
+def _(q, k, v, bias):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=v.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModernBertConfig, is_global: bool):
         super().__init__()
@@ -127,33 +156,34 @@ class Attention(nn.Module):
         q, k, v = qkv[0], qkv[1], qkv[2]
         q = apply_rope(q, cos, sin) * (self.head_dim**-0.5)  # pre-scaled Q (TensorRT's fusion pattern)
         k = apply_rope(k, cos, sin)
-        if self.is_global:  # one head at a time: scores [B, 1, T, T] (268 MB at 8192 tokens, not 3.2 GB)
-            heads = [self._softmax_v(q[:, h : h + 1] @ k[:, h : h + 1].transpose(-1, -2), bias, v[:, h : h + 1])
-                     for h in range(self.num_heads)]
-            out = torch.cat(heads, dim=1)  # [B, H, T, hd]
+        if self.is_global:
+            self.scores(q, k)  # scores q k^T: [B, H, T, T]
+            out = attention(q, k, v, bias)  # [B, H, T, hd]; bias [B, 1, 1, T]
         else:
             out = self._local(q, k, v, bias)
         out = out.transpose(1, 2).reshape(B, T, D)  # [B, T, D]
         return self.Wo(out)
 
-    def _softmax_v(self, scores, bias, v):
-        """softmax(scores + bias) v with the bias added and the softmax taken in FP32."""
-        probs = (self.scores(scores).float() + bias).softmax(dim=-1).to(v.dtype)
-        return probs @ v
-
     def _local(self, q, k, v, bias):
         """Band attention |i - j| <= w, in blocks of w queries against 3 blocks of keys."""
         B, H, T, hd = q.shape
         w = bias.shape[-2]  # the block size the model built the bias for
-        pad = (w - T % w) % w
-        nb = (T + pad) // w
+        nb, pad = blocks(T, w)
         qb = F.pad(q, (0, 0, 0, pad)).view(B, H, nb, w, hd)  # [B, H, nb, w, hd]
         kb = F.pad(k, (0, 0, w, pad + w)).view(B, H, nb + 2, w, hd)
         vb = F.pad(v, (0, 0, w, pad + w)).view(B, H, nb + 2, w, hd)
         kn = torch.cat((kb[:, :, :-2], kb[:, :, 1:-1], kb[:, :, 2:]), dim=3)  # [B, H, nb, 3w, hd]
         vn = torch.cat((vb[:, :, :-2], vb[:, :, 1:-1], vb[:, :, 2:]), dim=3)
-        out = self._softmax_v(qb @ kn.transpose(-1, -2), bias, vn)  # scores [B, H, nb, w, 3w]
+        self.scores(qb, kn)  # scores [B, H, nb, w, 3w]
+        out = attention(qb, kn, vn, bias)  # [B, H, nb, w, hd]; bias [B, 1, nb, w, 3w]
         return out.reshape(B, H, nb * w, hd)[:, :, :T]  # [B, H, T, hd]
+
+
+def blocks(T: int | torch.SymInt, w: int) -> tuple[int | torch.SymInt, int | torch.SymInt]:
+    """(number of blocks of w, padding to a whole block): ``nb * w == T + pad`` by construction,
+    which the tracer's symbolic shapes see without proving anything about remainders."""
+    nb = (T + w - 1) // w
+    return nb, nb * w - T
 
 
 def global_bias(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -169,8 +199,7 @@ def local_bias(attention_mask: torch.Tensor, w: int) -> torch.Tensor:
     r .. r + 2w (|i - j| <= w); keys in padding or beyond the sequence are hidden.
     """
     B, T = attention_mask.shape
-    pad = (w - T % w) % w
-    nb = (T + pad) // w
+    nb, pad = blocks(T, w)
     valid = F.pad(attention_mask.bool(), (w, pad + w), value=False).view(B, nb + 2, w)
     valid = torch.cat((valid[:, :-2], valid[:, 1:-1], valid[:, 2:]), dim=2)  # [B, nb, 3w]
     r = torch.arange(w, device=attention_mask.device)[:, None]
