@@ -1,0 +1,237 @@
+#!/usr/bin/env python
+"""Where the time of ``mbert-export --fp16`` goes, stage by stage, before and after, in one run.
+
+The pipeline (``mbert.export.pipeline.export_bundle``, as ``mbert-export --fp16 --no-engine`` runs
+it) exports one seeded random full-size ModernBERT-base checkpoint (22 layers, built with the test
+helper); each stage's wall time and CPU time (all threads of the process) are recorded from the
+pipeline's own stage reports, in a fresh subprocess per system:
+
+  after    this checkout
+  before   the same pipeline from another revision (``--before REV``, default: the commit before
+           issue 11's attention/scan work), extracted with ``git archive`` into the cache
+
+and ``steps`` times the library steps the pipeline is to be wired to (issue 11): one trace for
+the FP32 graph of each target, the scan on ``--device``, the mixed-precision TensorRT-form graph,
+the eager reference outputs computed once for every validation case.
+
+    python benchmarks/export_time.py                      # full size, before and after -> results/export_time.md
+    python benchmarks/export_time.py --quick --out /tmp/x # smoke test: 4-layer 128-wide model
+    python benchmarks/export_time.py --systems after,steps --device cuda
+
+Targets (issue 11): end to end <= 240 s on an idle 2-core build machine, scan <= 60 s. CPU time
+is shown because wall time on a shared machine means little; the targets are judged on wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BEFORE_REV = "b06b5a7"  # the last commit before issue 11's attention and export-speed work
+SMALL = dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=2, intermediate_size=192)
+SYSTEMS = ("before", "after", "steps")
+TARGET_TOTAL_S, TARGET_SCAN_S = 240.0, 60.0
+
+
+class Clock:
+    """Wall and process CPU time of named stages, from the pipeline's (event, message) reports."""
+
+    def __init__(self):
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+        self.open: dict[str, tuple[float, float]] = {}
+        self.stages: list[dict] = []
+
+    def start(self, name: str) -> None:
+        self.open[name] = (time.perf_counter(), time.process_time())
+
+    def stop(self, name: str) -> None:
+        w, c = self.open.pop(name)
+        self.stages.append({"stage": name, "wall_s": time.perf_counter() - w, "cpu_s": time.process_time() - c})
+
+    def report(self, event: str, message: str) -> None:  # the pipeline's Reporter
+        if event == "stage":  # "[3/8] validate"
+            self.start(message.split("] ", 1)[1])
+        elif event == "done":  # "validate: 12.3s"
+            self.stop(message.rsplit(":", 1)[0])
+
+    def total(self) -> dict:
+        return {"stage": "total", "wall_s": time.perf_counter() - self.t0, "cpu_s": time.process_time() - self.c0}
+
+
+def child_pipeline(ckpt: Path, out: Path) -> dict:
+    from mbert.export.pipeline import ExportOptions, export_bundle
+
+    clock = Clock()
+    export_bundle(ckpt, ExportOptions(out=out, fp16=True, engine=False, overwrite=True), clock.report)
+    return {"stages": clock.stages + [clock.total()]}
+
+
+def child_steps(ckpt: Path, out: Path, device: str) -> dict:
+    """The library steps of issue 11, in the order the wired pipeline runs them."""
+    from mbert.export.onnx import GraphModule, export_targets
+    from mbert.export.precision import plan, scan, scan_batches, to_mixed_precision
+    from mbert.export.reference import ReferenceOutputs
+    from mbert.export.texts import calibration_texts
+    from mbert.export.validate import build_cases, default_grid, load_tokenizer
+    from mbert.modeling import load_model, load_pooling
+
+    clock = Clock()
+    clock.start("load")
+    model, pooling, tokenizer = load_model(ckpt), load_pooling(ckpt), load_tokenizer(ckpt)
+    max_len = model.config.max_position_embeddings
+    clock.stop("load")
+    clock.start("trace: FP32, both targets, one capture")
+    export_targets(model, {"onnxruntime": out / "model.onnx", "tensorrt": out / "model.trt.onnx"},
+                   pooling=pooling, max_seq_len=max_len)
+    clock.stop("trace: FP32, both targets, one capture")
+    texts = calibration_texts()
+    cases = build_cases(tokenizer, texts, default_grid(model.config.window_half_width, max_len),
+                        model.config.cls_token_id, model.config.sep_token_id, model.config.pad_token_id)
+    clock.start(f"reference outputs, {len(cases)} cases, once ({device})")
+    ReferenceOutputs(GraphModule(model, pooling).eval(), device=device).precompute(cases)
+    clock.stop(f"reference outputs, {len(cases)} cases, once ({device})")
+    clock.start(f"scan ({device})")
+    report = scan(model, scan_batches(tokenizer, texts, max_len), device=device)
+    clock.stop(f"scan ({device})")
+    clock.start("mixed precision: TensorRT form")
+    export_targets(to_mixed_precision(model, plan(report)), {"tensorrt": out / "model.fp16.onnx"},
+                   pooling=pooling, max_seq_len=max_len)
+    clock.stop("mixed precision: TensorRT form")
+    return {"stages": clock.stages + [clock.total()], "scan_tokens": report.num_tokens}
+
+
+def source_tree(rev: str, cache: Path) -> Path:
+    """``rev``'s package as an importable ``mbert`` (git archive + a package of links)."""
+    root = cache / f"src-{rev}"
+    pkg = root / "pkg" / "mbert"
+    if not (pkg / "__init__.py").exists():
+        (root / "src").mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(root / "src")], input=archive, check=True)
+        pkg.mkdir(parents=True, exist_ok=True)
+        for name in ("modeling", "export", "runtime"):
+            link = pkg / name
+            if not link.exists():
+                link.symlink_to(root / "src" / name)
+        (pkg / "__init__.py").write_text("")
+    return root / "pkg"
+
+
+def checkpoint(cache: Path, quick: bool) -> Path:
+    ckpt = cache / ("small-random" if quick else "modernbert-base-random")  # shared with onnx_cpu.py
+    if not (ckpt / "special_tokens_map.json").exists():  # written last by make_checkpoint
+        sys.path.insert(0, str(REPO / "tests"))
+        from helpers import make_checkpoint
+
+        make_checkpoint(ckpt, "modernbert-base", seed=0, **(SMALL if quick else {}))
+    return ckpt
+
+
+def run_child(system: str, args) -> dict:
+    env = dict(os.environ)
+    if system == "before":
+        env["PYTHONPATH"] = str(source_tree(args.before, args.cache)) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, __file__, "--child", system, "--cache", str(args.cache), "--device", args.device]
+    cmd += ["--quick"] if args.quick else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"status": "failed", "reason": f"exit {proc.returncode}: {err[:300]}"}
+    return {"status": "ok", **json.loads(lines[-1])}
+
+
+def child(system: str, args) -> None:
+    import mbert.export
+
+    ckpt = checkpoint(args.cache, args.quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        if system == "steps":
+            result = child_steps(ckpt, Path(tmp), args.device)
+        else:
+            result = child_pipeline(ckpt, Path(tmp) / "bundle")
+    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    result["package"] = str(Path(mbert.export.__file__).parent)
+    print(json.dumps(result))
+
+
+def report(args, res: dict) -> list[str]:
+    import torch
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor() or "unknown CPU")
+    model = "SMOKE TEST, 4-layer 128-wide random model (--quick): not a result" if args.quick else \
+        "ModernBERT-base (random weights, 22 layers), built-in calibration texts (~30k tokens)"
+    L = [f"# `mbert-export --fp16 --no-engine`, stage by stage: {model}\n",
+         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+         f"- machine: {cpu}, {os.cpu_count()} logical CPUs; load average at start {args.load:.2f}",
+         f"- torch {torch.__version__}; device for the eager steps: {args.device}",
+         f"- before: revision {args.before} (git archive); after: this checkout",
+         "- wall: seconds; CPU: process CPU seconds, all threads (robust to a busy machine, wall is not)",
+         f"- command: `python benchmarks/export_time.py {' '.join(sys.argv[1:])}`", ""]
+    for system in [s for s in SYSTEMS if s in res]:
+        r = res[system]
+        L += [f"## {system}", ""]
+        if r["status"] != "ok":
+            L += [f"{r['status']}: {r['reason']}", ""]
+            continue
+        L += [f"peak RSS {r['peak_rss_gib']:.2f} GiB; package {r['package']}", "",
+              "| stage | wall (s) | CPU (s) |", "|---|---:|---:|"]
+        L += [f"| {s['stage']} | {s['wall_s']:.1f} | {s['cpu_s']:.1f} |" for s in r["stages"]]
+        L.append("")
+    after = res.get("after", {})
+    if after.get("status") == "ok" and not args.quick:
+        stages = {s["stage"]: s["wall_s"] for s in after["stages"]}
+        L += ["## Targets (wall time; meaningful on an idle machine only)", "", "| what | target | measured | |",
+              "|---|---|---:|---|"]
+        for what, bound, value in (("end to end", TARGET_TOTAL_S, stages.get("total")),
+                                   ("scan", TARGET_SCAN_S, stages.get("scan"))):
+            verdict = "n/a" if value is None else ("met" if value <= bound else "MISSED")
+            L.append(f"| {what} | <= {bound:.0f} s | {'n/a' if value is None else f'{value:.1f} s'} | {verdict} |")
+    return L
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
+    ap.add_argument("--before", default=BEFORE_REV, help="git revision for the 'before' pipeline")
+    ap.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="eager steps of 'steps'")
+    ap.add_argument("--quick", action="store_true", help="smoke test with a 4-layer 128-wide model")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--cache", type=Path, default=REPO / "benchmarks" / ".cache")
+    ap.add_argument("--timeout", type=int, default=7200, help="seconds per system")
+    ap.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.cache = args.cache.resolve()
+    if args.child:
+        return child(args.child, args)
+    systems = args.systems.split(",")
+    if set(systems) - set(SYSTEMS):
+        ap.error(f"unknown systems {sorted(set(systems) - set(SYSTEMS))}")
+    args.load = os.getloadavg()[0]
+    checkpoint(args.cache, args.quick)  # built once, outside the timed children
+    res = {}
+    for system in systems:
+        print(f"{system} ...", flush=True)
+        res[system] = run_child(system, args)
+        print(json.dumps(res[system])[:400], flush=True)
+    lines = report(args, res)
+    stem = "export_time_quick" if args.quick else "export_time" if systems == list(SYSTEMS) else "export_time_custom"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    print("\n" + "\n".join(lines))
+    print(f"\nwrote {args.out / (stem + '.md')} and .json")
+
+
+if __name__ == "__main__":
+    main()
