@@ -12,21 +12,26 @@ warning and runs slower, and ONNX Runtime runs it as one fused kernel). But torc
 loads in TensorRT 10.x/11.x and ONNX Runtime 1.14+. ``--opset`` may raise it; the manifest records
 the opset read back from the written file.
 
-What was measured when choosing the attention formulation (2 cores, ONNX Runtime 1.32 CPU,
-full-size ModernBERT-base, random weights; ``benchmarks/results/onnx_cpu.md``):
+One trace, several targets: attention is the custom op ``mbert::attention``, kept whole by
+``torch.export`` and translated per target (``mbert.export.lowering``): ``onnxruntime`` (fused
+``com.microsoft.MultiHeadAttention`` in global layers; ONNX Runtime only) or ``tensorrt`` (standard
+ops in TensorRT's attention-fusion pattern; every runtime). ``export_targets`` captures the model
+once and reuses torch.export's program for every further target (the capture is ~30% of a trace).
+
+What was measured when choosing the formulation (2 cores, ONNX Runtime 1.32 CPU, full-size
+ModernBERT-base, random weights; ``benchmarks/results/onnx_cpu.md``):
 
 * Local layers are blocked (see ``model.Attention._local``): the band-masked formulation needs a
   [B, H, T, T] score tensor in every layer; blocks of ``local_attention // 2`` keep local layers
-  at [B, H, T/64, 64, 192], linear in T. Local layers are ~1% of the 1 x 8192 profile.
+  at [B, H, T/64, 64, 192], linear in T. Local layers are ~1% of the 1 x 8192 profile. The block
+  count is ``ceil(T / w)`` written so that ``nb * w == T + pad`` holds symbolically (the tracer
+  then proves no remainder identities: less symbolic-shape work per traced layer).
 * Masks are an additive FP32 bias: with ``Where`` (select) masking, ONNX Runtime's broadcasting
   Where took 47% of a 1 x 8192 forward (24 s of 52 s in its profiler).
-* Global layers attend one head at a time: peak RSS at 1 x 8192 fell from 15.5 GB (all heads at
-  once) to 3.9 GB; latency at 4 x 512 was unchanged in an A/B run under equal load.
-* Result at 1 x 8192: 25.4 s, of which MatMul is 77% at ~195 GFLOP/s (this CPU's measured FP32
-  GEMM peak is ~180-200), the bias Add 8%, Softmax 7%. What remains is arithmetic, not overhead:
-  only a fused (flash) attention kernel would remove the score-sized Add/Softmax passes; ONNX
-  Runtime has one only behind its ``com.microsoft.MultiHeadAttention`` contrib op without a mask
-  (1.2 s per global layer at 8192 vs ~2.6 s here), which TensorRT cannot load.
+* Global layers: before issue 11 one head at a time in standard ops (peak RSS at 1 x 8192 3.9 GB
+  instead of 15.5 GB for all heads at once; 25.4 s, MatMul 77% at ~195 GFLOP/s, the bias Add 8%,
+  Softmax 7%). Now the ONNX Runtime form runs them in MultiHeadAttention's flash kernel, which
+  never materializes the scores (measurements in ``mbert.export.lowering``).
 """
 from __future__ import annotations
 
