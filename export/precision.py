@@ -10,6 +10,15 @@ stream, attention or MLP of a layer in FP32 exactly where the scan measured a va
 dtypes; traced with ``mbert.export.onnx.to_onnx`` it becomes ``model.fp16.onnx`` with an explicit
 ``Cast`` at every boundary (precision lives in the graph, as strongly typed TensorRT needs).
 
+The attention scores (site ``attn.scores``, the FP16 tensor the TensorRT form computes before its
+FP32 softmax) are never materialized by the model's fused attention: the scan gets q and k from
+the ``scores`` probe and computes the max |q.k| over exactly the entries the graph computes (all
+pairs in global layers, the 3-block neighbourhoods in local ones), in chunks. Where the
+Cauchy-Schwarz bound max|q| max|k| is at most 65504/64 it records the bound instead, marked
+``bound`` (no margin up to 64 can need FP32 below it; a bound can only make the plan more
+conservative); ModernBERT's scores are far below it, so the exact pass (as costly as half of the
+attention) runs only where it can change a decision.
+
 Why the mixed graph is traced rather than rewritten: the eager model's precision follows its
 weights (see ``mbert.modeling.model``), so the plan is applied once, to parameters, and the ONNX
 graph, the PyTorch CUDA check and the plan cannot disagree; rewriting an exported graph would
@@ -40,7 +49,10 @@ FP16_MAX = 65504.0
 DEFAULT_MARGIN = 8.0
 PERCENTILE = 99.9
 _SAMPLE = 1 << 16  # elements sampled (evenly strided) per tensor for the percentile: 65 above p99.9
-_CHUNK = 1 << 24  # attention scores computed at once by the scan (64 MiB in FP32)
+_CHUNK = 1 << 25  # attention scores computed at once by the scan (128 MiB in FP32, one reused buffer)
+# attn.scores is computed exactly only where its Cauchy-Schwarz bound max|q| max|k| exceeds this:
+# below it no plan margin up to 64 can need FP32, and the bound itself is recorded (SiteStat.bound).
+EXACT_SCORES_ABOVE = FP16_MAX / 64
 
 # site -> which group of a layer it belongs to
 LAYER_SITES = {
@@ -63,6 +75,7 @@ class SiteStat:
     site: str
     max_abs: float
     percentile: float  # the PERCENTILE-th percentile of |x|
+    bound: bool = False  # max_abs is an upper bound (attn.scores below EXACT_SCORES_ABOVE), not a measurement
 
     @property
     def headroom(self) -> float:
@@ -118,36 +131,61 @@ def _quantile(sample: torch.Tensor, q: float) -> torch.Tensor:
 
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
-    """[max |x|, PERCENTILE of |x| over an evenly strided sample] as an FP32 tensor on t's device
-    (no copy of t, no device sync)."""
+    """[max |x|, PERCENTILE of |x| over an evenly strided sample, 0 (measured, not a bound)] as an
+    FP32 tensor on t's device (no copy of t, no device sync)."""
     if t.numel() == 0:
-        return torch.zeros(2, device=t.device)
+        return torch.zeros(3, device=t.device)
     lo, hi = torch.aminmax(t.detach())
     flat = t.detach().reshape(-1)
     sample = flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE].abs().float()
-    return torch.stack((torch.maximum(hi.float(), -lo.float()), _quantile(sample, PERCENTILE / 100)))
+    zero = torch.zeros((), device=t.device)
+    return torch.stack((torch.maximum(hi.float(), -lo.float()), _quantile(sample, PERCENTILE / 100), zero))
 
 
 def score_stats(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``tensor_stats(q @ k^T)`` without materializing the scores: the max in chunks of queries
-    (at most ``_CHUNK`` scores at once), the percentile from the same strided sample of the
-    flattened scores, each sampled entry computed as its own dot product."""
+    """``tensor_stats(q @ k^T)`` without materializing the scores.
+
+    The percentile comes from an evenly spaced grid of (query, key) pairs in every head (and
+    block), about ``_SAMPLE`` scores in all, computed as a small matmul. The max: the
+    Cauchy-Schwarz bound ``max |q_i| * max |k_j|`` per head (and block), recorded as such (third
+    entry 1) when it is at most ``EXACT_SCORES_ABOVE``; otherwise the exact max, from the scores
+    in chunks of queries.
+    """
+    q, k = q.detach(), k.detach()
     lq, lk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     n_batch = q.numel() // max(1, lq * d)
     if n_batch * lq * lk == 0:
-        return torch.zeros(2, device=q.device)
-    kt = k.detach().transpose(-1, -2)
+        return torch.zeros(3, device=q.device)
+    per = max(1, _SAMPLE // n_batch)  # sampled entries per head (and block): an evenly spaced grid
+    n_rows = min(lq, max(1, round(per**0.5)))
+    n_cols = min(lk, max(1, per // n_rows))
+    q2, k2 = q.reshape(n_batch, lq, d), k.reshape(n_batch, lk, d)
+    rows_q, rows_k = q2[:, :: lq // n_rows][:, :n_rows], k2[:, :: lk // n_cols][:, :n_cols]
+    grid = rows_q.float() @ rows_k.float().transpose(-1, -2)  # [N, n_rows, n_cols]
+    pct = _quantile(grid.reshape(-1).abs(), PERCENTILE / 100)
+    bound = (torch.linalg.vector_norm(q.float(), dim=-1).amax(-1)
+             * torch.linalg.vector_norm(k.float(), dim=-1).amax(-1)).max()
+    if float(bound) <= EXACT_SCORES_ABOVE:  # one sync per call; exact work only where it can matter
+        return torch.stack((bound, pct, torch.ones((), device=q.device)))
+    kt = k2.transpose(-1, -2).contiguous()  # [N, d, Lk]
     rows = max(1, _CHUNK // (n_batch * lk))
+    buf = torch.empty(n_batch * min(rows, lq) * lk, dtype=torch.promote_types(q.dtype, k.dtype), device=q.device)
     best = torch.zeros((), device=q.device)
     for start in range(0, lq, rows):
-        lo, hi = torch.aminmax(q[..., start : start + rows, :].detach() @ kt)
+        chunk = q2[:, start : start + rows]
+        out = buf[: chunk.numel() // d * lk].view(n_batch, chunk.shape[1], lk)
+        torch.matmul(chunk, kt, out=out)  # reused buffer: no fresh pages per chunk
+        lo, hi = torch.aminmax(out)
         best = torch.maximum(best, torch.maximum(hi.float(), -lo.float()))
-    numel = n_batch * lq * lk
-    idx = torch.arange(0, numel, max(1, numel // _SAMPLE), device=q.device)[:_SAMPLE]
-    b, r, c = idx // (lq * lk), (idx // lk) % lq, idx % lk
-    q2, k2 = q.detach().reshape(n_batch, lq, d), k.detach().reshape(n_batch, lk, d)
-    sample = (q2[b, r].float() * k2[b, c].float()).sum(-1).abs()
-    return torch.stack((best, _quantile(sample, PERCENTILE / 100)))
+    return torch.stack((best, pct, torch.zeros((), device=q.device)))
+
+
+def _merge(prev: torch.Tensor | None, stats: torch.Tensor) -> torch.Tensor:
+    """Running [max, percentile, bound flag]: the flag follows whichever max is larger."""
+    if prev is None:
+        return stats
+    flag = torch.where(stats[0] > prev[0], stats[2], prev[2])
+    return torch.stack((torch.maximum(prev[0], stats[0]), torch.maximum(prev[1], stats[1]), flag))
 
 
 @torch.no_grad()
@@ -175,8 +213,7 @@ def scan(model: nn.Module, texts_or_batches: Sequence, max_len: int | None = Non
     acc: dict[tuple[int | None, str], torch.Tensor] = {}
 
     def record(key, stats: torch.Tensor):
-        prev = acc.get(key)
-        acc[key] = stats if prev is None else torch.maximum(prev, stats)
+        acc[key] = _merge(acc.get(key), stats)
 
     def out_hook(key):
         return lambda mod, args, out: record(key, tensor_stats(out))
@@ -227,7 +264,7 @@ def scan(model: nn.Module, texts_or_batches: Sequence, max_len: int | None = Non
 
     keys = sorted(acc, key=forward_order)
     values = torch.stack([acc[k] for k in keys]).cpu().tolist() if keys else []  # one device sync
-    stats = [SiteStat(k[0], k[1], *v) for k, v in zip(keys, values)]
+    stats = [SiteStat(k[0], k[1], v[0], v[1], bool(v[2])) for k, v in zip(keys, values)]
     return ScanReport(stats, len(batches), tokens, max(lengths, default=0))
 
 
@@ -285,7 +322,8 @@ def plan(report: ScanReport, margin: float = DEFAULT_MARGIN) -> Plan:
     for s in report.stats:
         if s.max_abs <= limit:
             continue
-        why = f"max |x| {s.max_abs:.4g} > 65504/{margin:g} = {limit:.4g} (headroom {s.headroom:.2f}x)"
+        what_max = "upper bound of max |x|" if s.bound else "max |x|"
+        why = f"{what_max} {s.max_abs:.4g} > 65504/{margin:g} = {limit:.4g} (headroom {s.headroom:.2f}x)"
         if s.layer is None:
             if s.site == "final_norm.input":
                 layers[-1].residual = "float32"
@@ -350,6 +388,7 @@ def scan_table(report: ScanReport, plan_: Plan) -> list[tuple[str, str, str, str
     for s in report.stats:
         fp32 = any(d.layer == s.layer and d.site == s.site for d in plan_.decisions)
         verdict = "OVERFLOW" if s.max_abs >= FP16_MAX else ("FP32" if fp32 else "fp16 ok")
-        rows.append(("-" if s.layer is None else str(s.layer), s.site, f"{s.max_abs:.4g}", f"{s.percentile:.4g}",
+        rows.append(("-" if s.layer is None else str(s.layer), s.site, f"{'<= ' if s.bound else ''}{s.max_abs:.4g}",
+                     f"{s.percentile:.4g}",
                      f"{s.headroom:.1f}x", verdict))
     return rows

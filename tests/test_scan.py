@@ -1,6 +1,7 @@
-"""The FP16 scan with fused attention: the ``attn.scores`` site is still measured exactly (from q and
-k, the scores are never materialized by the model), it drives the plan, the percentile is
-``torch.quantile``'s, progress carries an ETA, and ``device`` is honoured."""
+"""The FP16 scan with fused attention: the ``attn.scores`` site is still measured (from q and k; the
+scores are never materialized by the model): exactly where it can matter, as a marked upper bound
+below 65504/64; it drives the plan; the percentile is ``torch.quantile``'s; progress carries an
+ETA; ``device`` is honoured."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 
 from helpers import make_checkpoint, random_batch
 from mbert.export.device import resolve_device
-from mbert.export.precision import _quantile, plan, scan, tensor_stats
+from mbert.export.precision import EXACT_SCORES_ABOVE, _quantile, plan, scan, tensor_stats
 from mbert.modeling import ExportError, load_model
 
 SMALL = dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=2, intermediate_size=192, local_attention=16)
@@ -36,34 +37,48 @@ def _explicit_scores_max(model, batches) -> dict[int, float]:
     return seen
 
 
-def test_scores_site_is_exact(small):
+def _scaled(model, layer: int, factor: float):
+    """A copy whose layer's Q and K rows are multiplied by ``factor`` (scores by factor**2)."""
+    import copy
+
+    loud = copy.deepcopy(model)
+    d = loud.config.hidden_size
+    with torch.no_grad():
+        loud.layers[layer].attn.Wqkv.weight[: 2 * d] *= factor
+    return loud
+
+
+def test_scores_site_bound_and_exact(small):
+    """Small scores: a marked upper bound of the true max. Scores past 65504/64 (Q and K of local
+    layer 2 and global layer 3 scaled by 30): the exact max, as the explicit scores give it."""
     batches = [random_batch([150], seed=1), random_batch([37], seed=2)]
     report = scan(small, batches)
     want = _explicit_scores_max(small, batches)
     assert set(want) == {0, 1, 2, 3}
     for layer, value in want.items():
-        assert report.get(layer, "attn.scores").max_abs == pytest.approx(value, rel=1e-5)
+        s = report.get(layer, "attn.scores")
+        assert s.bound and value <= s.max_abs <= EXACT_SCORES_ABOVE
+    loud = _scaled(_scaled(small, 2, 30.0), 3, 30.0)  # layer 2 local, layer 3 global
+    report, want = scan(loud, batches), _explicit_scores_max(loud, batches)
+    for layer in (2, 3):
+        s = report.get(layer, "attn.scores")
+        assert not s.bound and s.max_abs == pytest.approx(want[layer], rel=1e-5)
+    assert report.get(0, "attn.scores").bound
 
 
 def test_scores_site_drives_the_plan(small):
     """The same check can fail: scaling layer 2's Q and K rows by 40 moves its scores 1600x, past the
     limit, and the plan then keeps exactly that layer's attention FP32."""
-    import copy
-
-    loud = copy.deepcopy(small)
-    d = loud.config.hidden_size
-    with torch.no_grad():
-        loud.layers[2].attn.Wqkv.weight[: 2 * d] *= 40.0
     batches = [random_batch([150], seed=1)]
-    quiet_report, loud_report = scan(small, batches), scan(loud, batches)
-    ratio = loud_report.get(2, "attn.scores").max_abs / quiet_report.get(2, "attn.scores").max_abs
-    assert ratio == pytest.approx(1600.0, rel=1e-3)
-    assert loud_report.get(1, "attn.scores").max_abs == quiet_report.get(1, "attn.scores").max_abs
-    limit_margin = 65504.0 / (quiet_report.get(2, "attn.scores").max_abs * 40)  # between the two
+    loud = _scaled(small, 2, 40.0)
+    exact = _explicit_scores_max(small, batches)[2]
+    loud_report = scan(loud, batches)
+    assert loud_report.get(2, "attn.scores").max_abs == pytest.approx(1600.0 * exact, rel=1e-3)
+    limit_margin = 65504.0 / (exact * 40)  # a limit between the quiet and the loud layer
     p = plan(loud_report, margin=limit_margin)
     assert [lp.attention for lp in p.layers] == ["float16", "float16", "float32", "float16"]
     assert (2, "attn.scores") in [(d.layer, d.site) for d in p.decisions]
-    assert plan(quiet_report, margin=limit_margin).fp32_layers() == []
+    assert plan(scan(small, batches), margin=8.0).fp32_layers() == []
 
 
 def test_percentile_is_torch_quantile():
