@@ -55,13 +55,18 @@ def make_checkpoint(
     tokenizer: bool = True,
     layout: str | None = None,
     scale_layer_mlp: tuple[int, float] | None = None,
+    outlier_channel: tuple[int, int, float] | None = None,
     **overrides,
 ) -> Path:
     """Build a seeded random transformers ModernBERT, save it with ``save_pretrained``, return the folder.
 
     ``overrides`` replace config keys (e.g. ``num_hidden_layers=3``); ``layout`` copies a
     sentence-transformers layout from the fixtures; ``scale_layer_mlp=(i, s)`` multiplies layer
-    i's MLP output matrix by s (to build a checkpoint whose residual stream overflows FP16).
+    i's MLP output matrix by s (to build a checkpoint whose residual stream overflows FP16);
+    ``outlier_channel=(i, c, s)`` gives layer i's ``mlp.Wi`` input an activation outlier channel: the
+    ``mlp_norm`` weight of channel c times s and ``Wi``'s column c divided by s, so the FP32 function is
+    unchanged while a per-tensor INT8 activation scale is stretched s-fold (the GeGLU-input outliers
+    of real checkpoints).
     """
     import transformers
 
@@ -79,6 +84,12 @@ def make_checkpoint(
         encoder = model if arch == "ModernBertModel" else model.model
         with torch.no_grad():
             encoder.layers[layer].mlp.Wo.weight.mul_(scale)
+    if outlier_channel is not None:
+        layer, channel, scale = outlier_channel
+        encoder = model if arch == "ModernBertModel" else model.model
+        with torch.no_grad():
+            encoder.layers[layer].mlp_norm.weight[channel] *= scale
+            encoder.layers[layer].mlp.Wi.weight[:, channel] /= scale
     model = model.to(save_dtype)
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
