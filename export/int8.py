@@ -227,14 +227,15 @@ def _outputs(graph: nn.Module, ids, mask) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def measure(graph: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-            fmt: WeightFormat = S8_7BIT, progress=None) -> SensitivityReport:
-    """Damage of quantizing each matrix alone, on one-text batches (no padding to skew the
-    per-tensor activation range). ``graph``: the exporter's ``GraphModule`` on the FP32 model."""
+            fmt: WeightFormat = S8_7BIT, progress=None, sites: Sequence[Site] | None = None) -> SensitivityReport:
+    """Damage of quantizing each matrix (``sites``, default all) alone, on one-text batches (no
+    padding to skew the per-tensor activation range). ``graph``: the exporter's ``GraphModule`` on
+    the FP32 model."""
     model = graph.model
     enc = encoder_of(model)
     if enc.final_norm.weight.dtype != torch.float32:
         raise PrecisionError("the INT8 sensitivity plan needs the FP32 model (load it with dtype=None)")
-    sites = [s for s, _ in matrix_sites(model)]
+    sites = list(sites) if sites is not None else [s for s, _ in matrix_sites(model)]
     solo: dict[Site, dict[str, float]] = {s: {} for s in sites}
     cached_tail = graph.task == "encoder"
     t0, tokens, max_len = time.perf_counter(), 0, 0
@@ -317,57 +318,71 @@ def budget_for(outputs: Sequence[str]) -> dict[str, float]:
 
 
 def plan(report: SensitivityReport, check=None) -> Int8Plan:
-    """Cheapest matrices first while the summed damage of every output stays within its budget;
-    then ``check(sites) -> Damage`` (the combined, measured damage) shrinks the choice until it fits."""
+    """Which matrices run INT8. A matrix whose damage alone exceeds the budget stays FP32. The others
+    are taken cheapest first: without ``check``, while their summed damage fits the budget; with
+    ``check(sites) -> Damage`` (the measured damage of quantizing ``sites`` together), the longest
+    cheapest-first prefix whose measured damage fits (bisection, started from the summed estimate)."""
     budget = budget_for(report.outputs)
     order = sorted(range(len(report.sites)), key=lambda i: (report.solo[i].load(budget), i))
-    total = {k: 0.0 for k in budget}
-    chosen: list[int] = []
     why: dict[int, str] = {}
+    candidates = []
     for i in order:
         d = report.solo[i]
         if d.load(budget) > 1.0:
             worst = max(d.by_output, key=lambda k: d.by_output[k] / budget[k])
             why[i] = f"alone moves {worst} by {d.by_output[worst]:.2e} > budget {budget[worst]:.2e}"
-            continue
-        after = {k: total[k] + d.by_output[k] for k in total}
-        if max(after[k] / budget[k] for k in after) > 1.0:
-            why[i] = "its damage would push the summed damage past the budget (cheaper matrices took it)"
-            continue
-        total, chosen = after, chosen + [i]
-    combined, checks = {}, 0
-    if check is not None and chosen:
-        chosen, combined, checks, dropped = _fit(report, chosen, budget, check)
-        for i in dropped:
-            why[i] = "dropped: the measured combined damage of the cheaper choice was over budget with it"
+        else:
+            candidates.append(i)
+    total, estimate = {k: 0.0 for k in budget}, 0
+    for i in candidates:
+        total = {k: total[k] + report.solo[i].by_output[k] for k in total}
+        if max(total[k] / budget[k] for k in total) > 1.0:
+            break
+        estimate += 1
+    combined, checks, k = {}, 0, estimate
+    if check is not None and candidates:
+        k, combined, checks = _longest_fitting_prefix(report, candidates, budget, check, estimate)
+    chosen = set(candidates[:k])
+    late = ("adding it (cheapest first) pushed the measured combined damage past the budget" if check is not None
+            else "its damage would push the summed damage past the budget (cheaper matrices took it)")
     decisions = []
     for i, site in enumerate(report.sites):
         ok = i in chosen
         decisions.append(MatrixDecision(site.name, site.layer, site.module, report.solo[i].by_output,
-                                        "int8" if ok else "float32", "within budget" if ok else why[i]))
+                                        "int8" if ok else "float32", "within budget" if ok else why.get(i, late)))
     return Int8Plan(report.fmt, budget, decisions, combined, checks,
                     calibration={"texts": report.num_texts, "tokens": report.num_tokens, "max_len": report.max_len})
 
 
-def _fit(report, chosen: list[int], budget, check):
-    """Largest prefix of ``chosen`` (cheapest first) whose measured combined damage fits: the full
-    choice first, then bisection."""
-    def measure_prefix(k):
-        return check([report.sites[i] for i in chosen[:k]])
+def _longest_fitting_prefix(report, candidates: list[int], budget, check, estimate: int):
+    """(k, measured damage of prefix k, checks made): the largest k with a fitting measured damage,
+    assuming damage grows with the prefix. All candidates are tried first, then the summed estimate,
+    then bisection between what fits and what does not."""
+    def fits(k):
+        d = check([report.sites[i] for i in candidates[:k]])
+        return d.load(budget) <= 1.0, d.by_output
 
-    d, checks = measure_prefix(len(chosen)), 1
-    if d.load(budget) <= 1.0:
-        return chosen, d.by_output, checks, []
-    lo, hi, best = 0, len(chosen) - 1, Damage({k: 0.0 for k in budget})
-    while lo < hi:  # invariant: prefix lo fits, prefix hi + 1 does not
-        mid = (lo + hi + 1) // 2
-        dm = measure_prefix(mid)
+    ok, d = fits(len(candidates))
+    if ok:
+        return len(candidates), d, 1
+    checks, best = 1, {k: 0.0 for k in budget}
+    lo, hi = 0, len(candidates) - 1  # prefix lo fits (0 trivially), prefix hi + 1 does not
+    if estimate > 0:
+        ok, d = fits(estimate)
         checks += 1
-        if dm.load(budget) <= 1.0:
-            lo, best = mid, dm
+        if ok:
+            lo, best = estimate, d
+        else:
+            hi = estimate - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok, d = fits(mid)
+        checks += 1
+        if ok:
+            lo, best = mid, d
         else:
             hi = mid - 1
-    return chosen[:lo], best.by_output, checks, chosen[lo:]
+    return lo, best, checks
 
 
 # --- int8.json -------------------------------------------------------------------------------------
@@ -396,7 +411,7 @@ def plan_table(plan_: Int8Plan) -> list[tuple[str, ...]]:
     rows = []
     for m in plan_.matrices:
         rows.append(("-" if m.layer is None else str(m.layer), m.module,
-                     *(f"{m.damage[n]:.2e}" for n in names), "INT8" if m.precision == "int8" else "FP32",
+                     *(f"{m.damage[n]:.2e}" if n in m.damage else "-" for n in names), "INT8" if m.precision == "int8" else "FP32",
                      "" if m.precision == "int8" else m.why))
     return rows
 

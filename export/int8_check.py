@@ -15,9 +15,9 @@ import numpy as np
 
 from mbert.modeling.errors import ValidationError
 
-from .int8 import (GATE, PLAN_MAX_LEN, S8, S8_7BIT, Int8Plan, WeightFormat, combined_damage, measure, plan,
-                   plan_headers, plan_table, save_int8)
-from .int8_graph import integer_matmuls, kernels_run, quantize_graph
+from .int8 import (GATE, PLAN_MAX_LEN, S8, S8_7BIT, Int8Plan, MatrixDecision, WeightFormat, combined_damage,
+                   matrix_sites, measure, plan, plan_headers, plan_table, save_int8)
+from .int8_graph import integer_matmuls, kernels_run, matrix_nodes, quantize_graph
 from .validate import Tolerance, compare, onnx_runner
 
 # INT8 graph vs FP32 eager, worst case over the grid. Dynamic INT8 rounds every activation to 1/255
@@ -118,12 +118,19 @@ def plan_batches(tokenizer, texts: Sequence[str], max_len: int):
     return scan_batches(tokenizer, texts, max_len)
 
 
-def build_plan(graph, batches, fmt: WeightFormat = S8_7BIT, progress=None) -> Int8Plan:
+def build_plan(graph, batches, fp32_onnx: Path, fmt: WeightFormat = S8_7BIT, progress=None) -> Int8Plan:
+    """Measure and plan the matrices the FP32 graph computes as a ``MatMul`` with a constant weight;
+    the others (a classifier's 2-D ``Gemm``, a tied decoder behind a ``Transpose``) stay FP32, said so."""
+    in_graph = matrix_nodes(fp32_onnx)
     t0 = time.perf_counter()
-    report = measure(graph, batches, fmt, progress)
+    report = measure(graph, batches, fmt, progress, sites=[s for s, _ in matrix_sites(graph.model) if s in in_graph])
     t1 = time.perf_counter()
     result = plan(report, check=lambda sites: combined_damage(graph, batches, sites, fmt))
     result.cost_s = {"solo": t1 - t0, "combined": time.perf_counter() - t1}
+    for site, _ in matrix_sites(graph.model):
+        if site not in in_graph:
+            result.matrices.append(MatrixDecision(site.name, site.layer, site.module, {}, "float32",
+                                                  "not a MatMul with a constant weight in model.onnx"))
     return result
 
 
@@ -146,7 +153,7 @@ def run_int8(graph, tokenizer, texts, cases, reference: Callable, tmp: Path, max
     (after writing int8.json, so the failure can be inspected)."""
     cfg = graph.model.config
     batches = plan_batches(tokenizer, texts, min(max_len, plan_max_len))
-    plan_ = stages.run("int8 plan", build_plan, graph, batches)
+    plan_ = stages.run("int8 plan", build_plan, graph, batches, tmp / "model.onnx")
     graph_info = stages.run("int8 graph", quantize_graph, tmp / "model.onnx", tmp / "model.int8.onnx",
                             plan_.int8_sites(), S8_7BIT)
     probe = cases[0]
