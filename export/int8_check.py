@@ -77,6 +77,7 @@ class RetrievalResult:
     mean_agreement: float  # mean over queries of |top-k(INT8) & top-k(FP32)| / k
     worst_agreement: float
     mixed_mean_agreement: float  # INT8 queries against an FP32-built index
+    fp32_gap_median: float  # median over queries of the FP32 cosine gap between neighbours k and k+1
     min_agreement: float
     passed: bool
 
@@ -98,8 +99,10 @@ def retrieval_check(artifact: str, run, ref_vectors: tuple[np.ndarray, np.ndarra
     q_ref, p_ref = ref_vectors
     q, p = embed(run, queries), embed(run, passages)
     own, mixed = topk_agreement(q_ref, p_ref, q, p), topk_agreement(q_ref, p_ref, q, p_ref)
+    sims = -np.sort(-(q_ref @ p_ref.T), axis=1)
+    gap = float(np.median(sims[:, TOP_K - 1] - sims[:, TOP_K]))  # near-ties make any top-k fragile
     return RetrievalResult(artifact, len(queries), len(passages), TOP_K, float(own.mean()), float(own.min()),
-                           float(mixed.mean()), min_agreement, bool(own.mean() >= min_agreement))
+                           float(mixed.mean()), gap, min_agreement, bool(own.mean() >= min_agreement))
 
 
 # --- the stage -------------------------------------------------------------------------------------
