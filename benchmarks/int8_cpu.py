@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """INT8 on CPU: this project's planned ``model.int8.onnx`` against its FP32 ``model.onnx`` and the blind
 quantizations, side by side in one run: throughput at 4 x 512 and on the mixed-length runtime corpus,
-and the validation figures (worst pooled / per-token cosine vs eager FP32 on the grid, top-10 neighbour
-agreement) of ours and of blind.
+and the validation figures (worst pooled / per-token cosine vs eager FP32 on the grid, top-10
+neighbour agreement) of ours and of blind.
 
 Model: the seeded random full-size gte-modernbert-base checkpoint of ``runtime_cpu.py`` (22 layers,
-hidden 768, CLS pooling), exported with ``max_seq_len`` 2048 (``--quick``: a 4-layer hidden-256 model,
-512 tokens, for smoke tests; its ratios mean nothing). The INT8 stage (``mbert.export.int8_check.run_int8``:
-sensitivity plan, graph, validation) runs once and its plan table is printed; the report states its cost.
+hidden 768, CLS pooling), exported once with ``mbert-export --int8`` at ``max_seq_len`` 2048 (the INT8
+stages of the pipeline: sensitivity, plan with its end-to-end checks, blind quantizations; their
+cost is reported); ``--quick``: a 4-layer hidden-256 model at 512 tokens, a smoke test whose ratios
+mean nothing.
 
 Systems (ONNX Runtime CPU, all threads, one session each, the same batches):
 
@@ -15,16 +16,17 @@ Systems (ONNX Runtime CPU, all threads, one session each, the same batches):
   int8 (ours)       model.int8.onnx: the planned matrices, 7-bit per-channel weights
   blind 7-bit       every matrix INT8, our weight format (what the plan bought, weight format equal)
   blind st-vnni     every matrix INT8 with sentence-transformers' ``avx512_vnni`` settings (optimum:
-                    per-channel, full-range int8 weights), quantized from our FP32 graph
-  st-int8           sentence-transformers' own ``export_dynamic_quantized_onnx_model(model, "avx512_vnni")``
-                    model, when a Python with sentence-transformers + optimum is given (``--onnx-python``;
-                    optimum pins transformers < 4.58 and cannot be installed beside this project: see
-                    runtime_cpu.py)
+                    per-channel, full-range int8 weights), written from our FP32 graph
+
+sentence-transformers' own ``export_dynamic_quantized_onnx_model`` is not run: it needs optimum
+(``optimum-onnx`` pins transformers < 4.58, this project's test extras have transformers 5 and
+sentence-transformers 6), so it cannot be installed beside the project; "blind st-vnni" applies its
+quantization settings to our FP32 graph instead.
 
 Targets (issue 12): INT8 >= 2x the FP32 graph's throughput at 4 x 512 and on the corpus; worst pooled
 cosine >= 0.995; top-10 agreement >= 0.95.
 
-    python benchmarks/int8_cpu.py            # full size -> results/int8_cpu.md (~1 h on 2 cores, once)
+    python benchmarks/int8_cpu.py            # full size -> results/int8_cpu.md (run once, on a quiet machine)
     python benchmarks/int8_cpu.py --quick    # small model smoke test -> results/int8_cpu_quick.md
 """
 from __future__ import annotations
@@ -82,60 +84,45 @@ def saturation_probe() -> dict[str, bool]:
 
 
 def prepare(quick: bool, max_len: int) -> tuple[Path, Path, dict]:
-    """Checkpoint, FP32 bundle, and the INT8 stage's outputs inside it (cached)."""
+    """Checkpoint and bundle (cached): the --int8 export, or, when the INT8 plan fails, the FP32 bundle
+    and the failure (reported)."""
     from helpers import make_checkpoint
 
-    from mbert.export.pipeline import ExportOptions, export_bundle
+    from mbert.export.options import ExportOptions
+    from mbert.export.pipeline import export_bundle
 
     tag = "quick" if quick else "base"
-    ck, bundle = CACHE / f"checkpoint-{tag}", CACHE / f"bundle-{tag}-{max_len}"
+    ck, bundle = CACHE / f"checkpoint-{tag}", CACHE / f"bundle-{tag}-{max_len}-int8"
+    status = bundle.parent / f"{bundle.name}.json"
     small = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=384) if quick else {}
     if not (ck / "model.safetensors").is_file():
         log(f"building the random checkpoint ({tag})")
         make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0, **small)
-    if not (bundle / "manifest.json").is_file():
-        log("exporting the FP32 bundle")
-        export_bundle(ck, ExportOptions(out=bundle, max_seq_len=max_len, overwrite=True))
-    if not (bundle / "int8.json").is_file():
-        run_stage(ck, bundle)
-    return ck, bundle, json.loads((bundle / "int8.json").read_text())
-
-
-def run_stage(ck: Path, bundle: Path) -> None:
-    from mbert.export.int8_check import print_plan, run_int8
-    from mbert.export.onnx import GraphModule
-    from mbert.export.pipeline import _Stages
-    from mbert.export.texts import calibration_texts
-    from mbert.export.validate import build_cases, default_grid, eager_runner, load_tokenizer
-    from mbert.modeling import ValidationError, load_model, load_pooling
-
-    max_len = json.loads((bundle / "manifest.json").read_text())["max_seq_len"]
-    model = load_model(ck)
-    graph = GraphModule(model, load_pooling(ck)).eval()
-    tok, cfg, texts = load_tokenizer(ck), model.config, calibration_texts()
-    cases = build_cases(tok, texts, default_grid(cfg.window_half_width, max_len), cfg.cls_token_id,
-                        cfg.sep_token_id, cfg.pad_token_id)
-    stages = _Stages(lambda e, m: log(m), 3)
-    t0 = time.perf_counter()
-    try:
-        outcome = run_int8(graph, tok, texts, cases, eager_runner(graph), bundle, max_len, texts, stages)
-        log("INT8 plan:\n" + print_plan(outcome.plan))
-    except ValidationError as exc:
-        log(f"ours FAILED validation: {exc}")
-    doc = json.loads((bundle / "int8.json").read_text())
-    doc["stage_timings"] = dict(stages.timings, total=time.perf_counter() - t0)
-    (bundle / "int8.json").write_text(json.dumps(doc, indent=2) + "\n")
+    if not status.is_file():
+        log("exporting with --int8")
+        t0, error = time.perf_counter(), None
+        try:
+            result = export_bundle(ck, ExportOptions(out=bundle, max_seq_len=max_len, overwrite=True, int8=True),
+                                   report=lambda e, m: log(m))
+            timings = result.timings
+        except Exception as exc:  # noqa: BLE001 - a failing plan is a result: report it
+            error = f"{type(exc).__name__}: {exc}"
+            log(f"the --int8 export failed: {error}; exporting FP32 only")
+            export_bundle(ck, ExportOptions(out=bundle, max_seq_len=max_len, overwrite=True))
+            timings = {}
+        status.write_text(json.dumps({"timings": timings, "total_s": time.perf_counter() - t0, "error": error}))
+    return ck, bundle, json.loads(status.read_text())
 
 
 def blind_graphs(bundle: Path) -> dict[str, Path]:
     from mbert.export.int8 import S8, S8_7BIT
-    from mbert.export.int8_graph import quantize_graph
+    from mbert.export.int8_graph import write_int8
 
     out = {}
     for name, fmt in (("blind 7-bit", S8_7BIT), ("blind st-vnni", S8)):
         path = bundle.parent / f"{bundle.name}-{fmt.name}.onnx"
         if not path.is_file():
-            quantize_graph(bundle / "model.onnx", path, None, fmt)
+            write_int8(bundle / "model.onnx", path, None, fmt)
         out[name] = path
     return out
 
@@ -186,34 +173,53 @@ def main() -> None:
     args = ap.parse_args()
     import runtime_cpu
 
-    ck, bundle, doc = prepare(args.quick, args.max_len or (512 if args.quick else 2048))
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    max_len = manifest["max_seq_len"]
+    from mbert.bundle import open_bundle
+    from mbert.bundle.texts import calibration_texts
+
+    ck, bundle, status = prepare(args.quick, args.max_len or (512 if args.quick else 2048))
+    manifest = open_bundle(bundle).manifest
+    max_len = manifest.max_seq_len
     spec = runtime_cpu.QUICK if args.quick or max_len <= 512 else dict(runtime_cpu.FULL, max_len=max_len)
     corpus_texts = runtime_cpu.build_corpus(bundle / "tokenizer.json", spec)
-    pad = manifest["model"]["pad_token_id"]
+    pad = manifest.model.pad_token_id
     corpus = batches_for(bundle / "tokenizer.json", corpus_texts, spec["max_len"], pad)
-    from mbert.export.texts import calibration_texts
-
     long4 = sorted(calibration_texts(), key=len)[-4:]
     fixed = batches_for(bundle / "tokenizer.json", long4, 512, pad)[0]
-    systems = {"fp32": bundle / "model.onnx", "int8 (ours)": bundle / "model.int8.onnx", **blind_graphs(bundle)}
+    systems = {"fp32": bundle / "model.onnx"}
+    if manifest.graph("int8") is not None:
+        systems["int8 (ours)"] = bundle / "model.int8.onnx"
+    systems.update(blind_graphs(bundle))
     results = {}
     for name, path in systems.items():
         log(f"timing {name}")
         results[name] = timed(path, fixed, corpus, args.repeats)
-    text = report(args, doc, results, corpus, fixed, spec)
+    text = report(args, manifest, status, results, corpus, fixed, spec)
     out = args.out or REPO / "benchmarks" / "results" / ("int8_cpu_quick.md" if args.quick else "int8_cpu.md")
     out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"results": results, "int8": doc, "cpu": cpu_flags()}, indent=2))
+    from mbert.bundle.schema import to_json
+
+    out.with_suffix(".json").write_text(json.dumps({"results": results, "int8": to_json(manifest.int8),
+                                                    "status": status, "cpu": cpu_flags()}, indent=2))
     print(text)
     log(f"wrote {out}")
 
 
-def report(args, doc, results, corpus, fixed, spec) -> str:
+def _figures(name: str, validation, retrieval, gating: bool) -> str:
+    o = {x.name: x for x in validation.outputs}
+    pooled = o["sentence_embedding"].worst_cosine if "sentence_embedding" in o else None
+    token = o["last_hidden_state"].worst_cosine
+    r = retrieval
+    passed = validation.passed and (r is None or r.passed)
+    cells = [f"{pooled:.5f}" if pooled is not None else "-", f"{token:.5f}" if token is not None else "not finite",
+             f"{r.mean_agreement:.3f} / {r.worst_agreement:.1f}" if r else "-", f"{r.mixed_mean_agreement:.3f}" if r else "-",
+             ("pass" if passed else "FAIL") + ("" if gating else " (reported only)")]
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def report(args, manifest, status, results, corpus, fixed, spec) -> str:
     from mbert import export
-    from mbert.export.int8 import Int8Plan
-    from mbert.export.int8_check import print_plan
+    from mbert.bundle.int8 import plan_table, summary_lines
+    from mbert.runtime.info import table
 
     tokens = int(sum(m.sum() for _, m in corpus))
     base = results["fp32"]
@@ -230,26 +236,29 @@ def report(args, doc, results, corpus, fixed, spec) -> str:
     for name, r in results.items():
         lines.append(f"| {name} | {r['fixed_s'] * 1e3:.0f} | {base['fixed_s'] / r['fixed_s']:.2f}x | {r['corpus_s']:.1f} "
                      f"| {tokens / r['corpus_s']:.0f} | {base['corpus_s'] / r['corpus_s']:.2f}x |")
-    v = doc["validation"]
+    lines += ["", "sentence-transformers' own INT8 export (`export_dynamic_quantized_onnx_model`) is not in the table: "
+              "optimum pins transformers < 4.58 and cannot be installed beside this project; \"blind st-vnni\" is "
+              "its quantization settings applied to our FP32 graph."]
+    r8 = manifest.int8
+    if r8 is None:
+        lines += ["", "## The INT8 plan FAILED: no model.int8.onnx", "", f"`{status.get('error')}`"]
+        return "\n".join(lines) + "\n"
     lines += ["", "## Validation against the eager FP32 model (worst over the grid)", "",
               "| graph | worst pooled cosine | worst token cosine | top-10 agreement (mean / worst query) "
-              "| INT8 queries vs FP32 index | verdict |", "|---|---|---|---|---|---|"]
-    for name, rep in [("int8 (ours)", v), *v.get("blind", {}).items()]:
-        if "error" in rep:
-            lines.append(f"| {name} | error: {rep['error']} | | | | |")
-            continue
-        o = {x["name"]: x for x in rep["outputs"]}
-        r = rep.get("retrieval") or {}
-        lines.append(f"| {name} | {o.get('sentence_embedding', {}).get('worst_cosine', float('nan')):.5f} "
-                     f"| {o['last_hidden_state']['worst_cosine']:.5f} | {r.get('mean_agreement', float('nan')):.3f} / "
-                     f"{r.get('worst_agreement', float('nan')):.1f} | {r.get('mixed_mean_agreement', float('nan')):.3f} "
-                     f"| {'pass' if rep['passed'] else 'FAIL'}{'' if name == 'int8 (ours)' else ' (reported only)'} |")
-    p = Int8Plan.from_dict(doc["plan"])
-    t = doc.get("stage_timings", {})
-    lines += ["", "## The plan", "", f"Cost: {', '.join(f'{k} {v:.0f}s' for k, v in t.items())} "
-              f"(solo passes {p.cost_s.get('solo', 0):.0f}s, combined checks {p.cost_s.get('combined', 0):.0f}s); "
-              f"calibration {p.calibration}. Kernels run (ONNX Runtime profiler): {doc['graph']['kernels']}.",
-              "", "```", print_plan(p), "```"]
+              "| INT8 queries vs FP32 index | verdict |", "|---|---|---|---|---|---|",
+              _figures("int8 (ours)", manifest.graph("int8").validation, r8.retrieval, True)]
+    for b in r8.blind:
+        lines.append(_figures(b.name, b.validation, b.retrieval, False) if b.validation is not None
+                     else f"| {b.name} | could not run: {b.error} | | | | |")
+    if r8.retrieval is not None:
+        lines += ["", f"FP32 neighbour lists: median cosine gap between neighbours 10 and 11 "
+                      f"{r8.retrieval.fp32_gap_median:.4f}, between neighbours 1 and 10 "
+                      f"{r8.retrieval.fp32_score_spread_median:.4f} (random weights: near-ties)."]
+    headers, rows = plan_table(r8)
+    timings = status.get("timings", {})
+    lines += ["", "## The plan", "", "Export stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items())
+              + f" (total {status.get('total_s', 0):.0f}s).", "", "```", *summary_lines(r8), "", table(rows, headers),
+              "```"]
     return "\n".join(lines) + "\n"
 
 

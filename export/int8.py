@@ -1,4 +1,5 @@
-"""INT8 for CPU serving, proven safe like FP16: which matrices, measured one at a time.
+"""INT8 for CPU serving, proven safe like FP16: which matrices, measured one at a time, then checked
+together for real.
 
 ONNX Runtime's dynamic quantization (``onnxruntime.quantization.quantize_dynamic``) turns a
 ``MatMul`` with a constant weight into ``DynamicQuantizeLinear`` + ``MatMulInteger`` (fused by the
@@ -7,53 +8,62 @@ uint8 (asymmetric: ``scale = (max(x, 0) - min(x, 0)) / 255``, zero point ``round
 the weight is int8 with one symmetric scale per output channel, the product is summed in int32 and
 rescaled to FP32. Everything else (LayerNorm, softmax, attention products, GeGLU) stays FP32.
 
-Weight format (measured, ``tests/test_int8.py::test_full_range_weights_saturate_without_vnni``):
-ONNX Runtime's U8S8 kernel on x86 CPUs without VNNI (AVX2, AVX-512 core) multiplies with
-``vpmaddubsw``, which saturates a pair of products at 32767; full-range int8 weights (+-127, what
-sentence-transformers/optimum's ``avx512_vnni`` config and ``quantize_dynamic``'s default write)
-overflow it (255 * 127 * 2 = 64770), so the same graph gives different, wrong numbers on a
-non-VNNI CPU (10% relative error on a Gaussian 2048 x 768 x 2304 product on this AVX2 machine).
-We write 7-bit weights (``reduce_range``, +-64: 255 * 64 * 2 = 32640 fits): the product is then
-exact int32 arithmetic on every CPU, VNNI or not, with the same kernel and speed, for one bit of
-weight precision that the sensitivity plan and the validation below account for.
+Weight format (measured, ``tests/test_int8.py::test_seven_bit_weights_are_exact_on_worst_case_inputs``
+and ``benchmarks/int8_cpu.py``'s probe): ONNX Runtime's U8S8 kernel on x86 CPUs without VNNI (AVX2,
+AVX-512 core) multiplies with ``vpmaddubsw``, which saturates a pair of products at 32767;
+full-range int8 weights (+-127, what sentence-transformers/optimum's ``avx512_vnni`` config and
+``quantize_dynamic``'s default write) overflow it (255 * 127 * 2 = 64770), so the same graph gives
+different, wrong numbers on such a CPU (10% relative error on a Gaussian 2048 x 768 x 2304 product
+on this AVX2 machine). We write 7-bit weights (``reduce_range``, +-64: 255 * 64 * 2 = 32640 fits):
+exact int32 arithmetic on every CPU, VNNI or not, same kernel and speed, for one bit of weight
+precision that the plan and the validation account for.
 
-The plan (:func:`measure` then :func:`plan`): quantizing one matrix at a time is emulated in the
-eager FP32 model with ONNX Runtime's exact arithmetic (:func:`int8_linear`, checked against
-ONNX Runtime in the tests), so 4 x 22 quantized variants cost forward passes, not 88 graphs: each
-calibration text runs once in FP32 keeping every layer's input, and each matrix of layer L re-runs
-only layers L.. (encoder checkpoints; head checkpoints re-run the whole model). The damage of a
-matrix is how far quantizing it alone moves each output (1 - cosine, worst calibration text);
-matrices are taken cheapest first while the summed damage stays within the budget, the combined
-choice is then measured (not assumed additive) and shrunk until it fits, and what stays FP32 says
-why. The graph is finally checked for real in ONNX Runtime on the validation grid
-(:mod:`mbert.export.int8_check`).
+The plan, in three measured steps (:func:`measure`, :func:`select`):
+
+1. Solo damage, emulated: each matrix quantized alone in the eager FP32 model with ONNX Runtime's
+   exact arithmetic (:func:`int8_linear`, checked against ONNX Runtime in the tests); how far that
+   moves every output (1 - cosine, worst calibration row). The FP32 run of each calibration batch
+   is made once and kept (outputs and every layer's input), so the matrix of layer L re-runs only
+   layers L.. (encoder checkpoints). The rows are short (:data:`SOLO_LEN` tokens of up to
+   :data:`SOLO_ROWS` calibration texts, stacked as the runtime batches them): this step ranks
+   matrices and finds the ones that cannot run INT8 at all, and what makes a matrix sensitive (an
+   activation outlier channel stretching the per-tensor scale) is a property of channels, present in
+   every token, so short rows show it at a fraction of the cost (a solo pass costs ~2L forward
+   passes of the rows for L layers). A matrix over the budget alone stays FP32.
+2. Combined damage, emulated on the same rows (FP32 references reused): the longest cheapest-first
+   prefix of the remaining matrices whose measured (not summed) damage fits the budget.
+3. End to end, for real: that set is quantized by ONNX Runtime and the graph is checked on the
+   validation grid (every input length the bundle accepts, padded batches) with the gate's
+   thresholds and the retrieval check (:mod:`mbert.export.int8_check`). If it misses, the most
+   damaging matrices of the set go back to FP32 (bisection on the prefix, every candidate checked
+   end to end) until a set passes; if none does, the export fails. The graph that ships is the one
+   that passed.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mbert.bundle.int8 import Int8Check, MatrixPlan
+from mbert.bundle.validation import INT8_TOLERANCES
 from mbert.modeling.errors import PrecisionError
 from mbert.modeling.model import encoder_of, global_bias, local_bias, rope_tables
 
-# Validation thresholds (1 - cosine allowed at the worst case of the grid) per output; see
-# int8_check.INT8_TOLERANCES for their reasons. The plan spends a fraction of each.
-GATE = {"sentence_embedding": 0.005, "last_hidden_state": 0.02, "logits": 0.005}
-# The plan's budget is half the gate: the calibration texts are not the grid (other lengths, padded
-# batches whose padding widens the per-tensor activation range) and summed damages only estimate
-# the combined one; the other half is the margin the real ONNX Runtime validation must fit in.
+# The plan's budget is half the gate (1 - min cosine of INT8_TOLERANCES) per output: the calibration
+# rows are not the grid (other lengths, padded batches whose padding widens the per-tensor
+# activation range); the other half is the margin the end-to-end check must fit in.
 PLAN_SHARE = 0.5
-PLAN_MAX_LEN = 512  # calibration texts are cut here for the sensitivity passes (cost; see measure)
+SOLO_LEN = 32  # tokens per calibration row of the emulated passes ([CLS] text [SEP], cut)
+SOLO_ROWS = 16  # calibration texts used, spread evenly over the built-in set and the user's file
 LAYER_MATRICES = ("attn.Wqkv", "attn.Wo", "mlp.Wi", "mlp.Wo")
 HEAD_MATRICES = ("head.dense", "decoder", "classifier")
+_F32_EXACT = 2 ** 24  # float32 holds every integer up to this exactly
 
 
 @dataclass(frozen=True)
@@ -72,7 +82,6 @@ class WeightFormat:
 
 S8_7BIT = WeightFormat("s8-7bit", 64, True)  # ours
 S8 = WeightFormat("s8", 127, False)  # sentence-transformers / optimum "avx512_vnni", quantize_dynamic default
-FORMATS = {f.name: f for f in (S8_7BIT, S8)}
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,10 @@ def matrix_sites(model: nn.Module) -> list[tuple[Site, nn.Linear]]:
     return out
 
 
+def budget_for(outputs: Sequence[str]) -> dict[str, float]:
+    return {n: (1.0 - INT8_TOLERANCES[n].min_cosine) * PLAN_SHARE for n in outputs}
+
+
 # --- ONNX Runtime's dynamic INT8 arithmetic, emulated -------------------------------------------------
 
 def quantize_weight(weight: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,14 +144,24 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return q, scale, zp
 
 
+def integer_product(a: torch.Tensor, qw: torch.Tensor, qmax: int) -> torch.Tensor:
+    """``a @ qw.T`` for integer-valued float tensors (``|a| <= 255``, ``|qw| <= qmax``), exact: in
+    float32 over slices of K short enough that every partial sum stays below 2**24 (so no rounding,
+    whatever the summation order), the slices added in float64."""
+    step = _F32_EXACT // (255 * qmax)
+    K = a.shape[-1]
+    if K <= step:
+        return torch.matmul(a, qw.t()).double()
+    return sum(torch.matmul(a[..., i:i + step], qw[:, i:i + step].t()).double() for i in range(0, K, step))
+
+
 def int8_linear(x: torch.Tensor, linear: nn.Linear, fmt: WeightFormat,
                 weight: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``linear(x)`` as ``DynamicQuantizeMatMul`` computes it: int32 sums (exact here in float64),
-    scaled by ``activation_scale * weight_scale[n]`` in float32, plus the FP32 bias."""
+    """``linear(x)`` as ``DynamicQuantizeMatMul`` computes it: exact int32 sums, scaled by
+    ``activation_scale * weight_scale[n]`` in float32, plus the FP32 bias."""
     qw, sw = weight if weight is not None else quantize_weight(linear.weight, fmt)
     qx, sx, zx = quantize_activation(x)
-    acc = torch.matmul((qx - zx).double(), qw.double().t())  # exact integers
-    out = acc.float() * (sx * sw)
+    out = integer_product(qx - zx, qw, fmt.qmax).float() * (sx * sw)
     if linear.bias is not None:
         out = out + linear.bias.float()
     return out.to(x.dtype)
@@ -162,43 +185,64 @@ def emulated(model: nn.Module, sites: Iterable[Site], fmt: WeightFormat):
             h.remove()
 
 
-# --- sensitivity -----------------------------------------------------------------------------------
+# --- calibration rows and the FP32 reference ---------------------------------------------------------
 
-@dataclass(frozen=True)
-class Damage:
-    """How far outputs moved: per output name, 1 - cosine at the worst calibration text
-    (pooled outputs: the text's vector; token outputs: the text's worst token)."""
+def calibration_batches(tokenizer, texts: Sequence[str], length: int = SOLO_LEN,
+                        rows: int = SOLO_ROWS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Up to ``rows`` texts spread evenly over ``texts``, each cut to ``length`` tokens ([CLS] .. [SEP]),
+    rows of equal length stacked into one batch (no padding: a padded position would stretch the
+    per-tensor activation range with values no output uses)."""
+    from tokenizers import Tokenizer
 
-    by_output: dict[str, float]
-
-    def load(self, budget: dict[str, float]) -> float:
-        """The largest fraction of its budget any output uses (> 1: over budget)."""
-        return max(v / budget[k] for k, v in self.by_output.items())
+    tok = Tokenizer.from_str(tokenizer.to_str())  # a private copy: padding off, our truncation
+    tok.no_padding()
+    tok.enable_truncation(length)
+    texts = [t for t in texts if t.strip()]
+    n = min(rows, len(texts))
+    picked = [texts[(i * len(texts)) // n] for i in range(n)]
+    by_len: dict[int, list[list[int]]] = {}
+    for text in picked:
+        ids = tok.encode(text).ids
+        by_len.setdefault(len(ids), []).append(ids)
+    return [(torch.tensor(r, dtype=torch.int64), torch.ones((len(r), T), dtype=torch.int64))
+            for T, r in sorted(by_len.items(), reverse=True)]
 
 
 @dataclass
-class SensitivityReport:
-    fmt: str
-    outputs: list[str]
-    sites: list[Site]
-    solo: list[Damage]  # quantizing that matrix alone
-    num_texts: int
-    num_tokens: int
-    max_len: int
-    seconds: float
+class Reference:
+    """The FP32 run of each calibration batch, made once: outputs and every layer's input."""
+
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    outputs: list[dict[str, torch.Tensor]]
+    layer_inputs: list[list[torch.Tensor]]
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(m.sum()) for _, m in self.batches)
 
 
-def _damage(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> dict[str, float]:
-    out = {}
-    for name, want in ref.items():
-        g, w = got[name].double().reshape(-1, want.shape[-1]), want.double().reshape(-1, want.shape[-1])
-        cos = F.cosine_similarity(g, w, dim=-1, eps=1e-30)
-        out[name] = float((1.0 - cos).max()) if torch.isfinite(g).all() else float("inf")
-    return out
+def _outputs(graph: nn.Module, ids, mask) -> dict[str, torch.Tensor]:
+    out = graph(ids, mask)
+    out = out if isinstance(out, tuple) else (out,)
+    return {n: o.float() for n, o in zip(graph.output_names, out)}
 
 
-def _worst(acc: dict[str, float], new: dict[str, float]) -> dict[str, float]:
-    return {k: max(acc.get(k, 0.0), v) for k, v in new.items()}
+@torch.no_grad()
+def fp32_reference(graph: nn.Module, batches) -> Reference:
+    enc = encoder_of(graph.model)
+    if enc.final_norm.weight.dtype != torch.float32:
+        raise PrecisionError("the INT8 sensitivity plan needs the FP32 model (load it with dtype=None)")
+    outputs, inputs = [], []
+    for ids, mask in batches:
+        seen: list[torch.Tensor] = []
+        hooks = [layer.register_forward_pre_hook(lambda m, a: seen.append(a[0])) for layer in enc.layers]
+        try:
+            outputs.append(_outputs(graph, ids, mask))
+        finally:
+            for h in hooks:
+                h.remove()
+        inputs.append(seen)
+    return Reference(list(batches), outputs, inputs)
 
 
 def _tail(graph: nn.Module, start: int, x: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -219,202 +263,165 @@ def _tail(graph: nn.Module, start: int, x: torch.Tensor, ids: torch.Tensor, mask
     return out
 
 
-def _outputs(graph: nn.Module, ids, mask) -> dict[str, torch.Tensor]:
-    out = graph(ids, mask)
-    out = out if isinstance(out, tuple) else (out,)
-    return {n: o.float() for n, o in zip(graph.output_names, out)}
+def _damage(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> dict[str, float]:
+    """1 - cosine per output at its worst row (pooled outputs) or token (token outputs); inf if not finite."""
+    out = {}
+    for name, want in ref.items():
+        g, w = got[name].double().reshape(-1, want.shape[-1]), want.double().reshape(-1, want.shape[-1])
+        cos = F.cosine_similarity(g, w, dim=-1, eps=1e-30)
+        out[name] = float((1.0 - cos).max()) if torch.isfinite(g).all() else float("inf")
+    return out
 
 
-@torch.no_grad()
-def measure(graph: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-            fmt: WeightFormat = S8_7BIT, progress=None, sites: Sequence[Site] | None = None) -> SensitivityReport:
-    """Damage of quantizing each matrix (``sites``, default all) alone, on one-text batches (no
-    padding to skew the per-tensor activation range). ``graph``: the exporter's ``GraphModule`` on
-    the FP32 model."""
-    model = graph.model
-    enc = encoder_of(model)
-    if enc.final_norm.weight.dtype != torch.float32:
-        raise PrecisionError("the INT8 sensitivity plan needs the FP32 model (load it with dtype=None)")
-    sites = list(sites) if sites is not None else [s for s, _ in matrix_sites(model)]
-    solo: dict[Site, dict[str, float]] = {s: {} for s in sites}
-    cached_tail = graph.task == "encoder"
-    t0, tokens, max_len = time.perf_counter(), 0, 0
-    for n, (ids, mask) in enumerate(batches):
-        tokens, max_len = tokens + int(mask.sum()), max(max_len, ids.shape[1])
-        inputs: list[torch.Tensor] = []
-        hooks = [layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for layer in enc.layers]
-        try:
-            ref = _outputs(graph, ids, mask)
-        finally:
-            for h in hooks:
-                h.remove()
-        for site in sites:
-            with emulated(model, [site], fmt):
-                got = (_tail(graph, site.layer, inputs[site.layer], ids, mask)
-                       if cached_tail and site.layer is not None else _outputs(graph, ids, mask))
-            solo[site] = _worst(solo[site], _damage(ref, got))
-        if progress:
-            progress(n + 1, len(batches))
-    names = list(graph.output_names)
-    return SensitivityReport(fmt.name, names, sites, [Damage(solo[s]) for s in sites], len(batches), tokens,
-                             max_len, time.perf_counter() - t0)
+def _worst(acc: dict[str, float], new: dict[str, float]) -> dict[str, float]:
+    return {k: max(acc.get(k, 0.0), v) for k, v in new.items()}
 
 
-@torch.no_grad()
-def combined_damage(graph: nn.Module, batches, sites: Iterable[Site], fmt: WeightFormat) -> Damage:
-    """Damage of quantizing all ``sites`` together (emulated), worst over ``batches``."""
-    worst: dict[str, float] = {}
-    sites = list(sites)
-    for ids, mask in batches:
-        ref = _outputs(graph, ids, mask)
-        with emulated(graph.model, sites, fmt):
-            worst = _worst(worst, _damage(ref, _outputs(graph, ids, mask)))
-    return Damage(worst)
+# --- step 1 and 2: emulated damage -------------------------------------------------------------------
 
-
-# --- the plan --------------------------------------------------------------------------------------
-
-@dataclass
-class MatrixDecision:
-    site: str
-    layer: int | None
-    module: str
-    damage: dict[str, float]  # alone
-    precision: str  # "int8" or "float32"
-    why: str
-
-
-@dataclass
-class Int8Plan:
+@dataclass(frozen=True)
+class SensitivityReport:
     fmt: str
-    budget: dict[str, float]
-    matrices: list[MatrixDecision]
-    combined: dict[str, float] = field(default_factory=dict)  # measured damage of the chosen set
-    checks: int = 0  # combined measurements made
-    cost_s: dict[str, float] = field(default_factory=dict)
-    calibration: dict = field(default_factory=dict)
+    outputs: tuple[str, ...]
+    sites: tuple[Site, ...]
+    solo: tuple[dict[str, float], ...]  # per site: 1 - cosine per output, quantized alone
+    rows: int
+    tokens: int
+    seconds: float
 
-    def int8_sites(self) -> list[Site]:
-        return [Site(m.layer, m.module) for m in self.matrices if m.precision == "int8"]
-
-    def fp32_sites(self) -> list[Site]:
-        return [Site(m.layer, m.module) for m in self.matrices if m.precision != "int8"]
-
-    def to_dict(self) -> dict:
-        return {"weight_format": self.fmt, "weight_format_note": FORMATS[self.fmt].note, "budget": self.budget,
-                "gate": {k: GATE[k] for k in self.budget}, "plan_share": PLAN_SHARE,
-                "combined_damage": self.combined, "combined_checks": self.checks, "cost_s": self.cost_s,
-                "calibration": self.calibration, "matrices": [asdict(m) for m in self.matrices]}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Int8Plan":
-        return cls(d["weight_format"], d["budget"], [MatrixDecision(**m) for m in d["matrices"]],
-                   d.get("combined_damage", {}), d.get("combined_checks", 0), d.get("cost_s", {}),
-                   d.get("calibration", {}))
+    def load(self, i: int, budget: dict[str, float]) -> float:
+        """The largest fraction of its budget an output uses when site i is quantized alone."""
+        return max(v / budget[k] for k, v in self.solo[i].items())
 
 
-def budget_for(outputs: Sequence[str]) -> dict[str, float]:
-    return {name: GATE[name] * PLAN_SHARE for name in outputs}
+@torch.no_grad()
+def measure(graph: nn.Module, ref: Reference, sites: Sequence[Site], fmt: WeightFormat = S8_7BIT,
+            progress=None) -> SensitivityReport:
+    """Damage of quantizing each of ``sites`` alone (step 1). ``graph``: the exporter's ``GraphModule``
+    on the FP32 model; ``ref``: its :func:`fp32_reference` on the calibration batches."""
+    t0 = time.perf_counter()
+    tail = graph.task == "encoder"  # heads re-run the whole model (their head sits after the encoder)
+    solo: dict[Site, dict[str, float]] = {s: {} for s in sites}
+    for n, ((ids, mask), want, inputs) in enumerate(zip(ref.batches, ref.outputs, ref.layer_inputs)):
+        for site in sites:
+            with emulated(graph.model, [site], fmt):
+                got = (_tail(graph, site.layer, inputs[site.layer], ids, mask)
+                       if tail and site.layer is not None else _outputs(graph, ids, mask))
+            solo[site] = _worst(solo[site], _damage(want, got))
+        if progress:
+            progress(n + 1, len(ref.batches))
+    return SensitivityReport(fmt.name, tuple(graph.output_names), tuple(sites), tuple(solo[s] for s in sites),
+                             sum(len(b[0]) for b in ref.batches), ref.tokens, time.perf_counter() - t0)
 
 
-def plan(report: SensitivityReport, check=None) -> Int8Plan:
-    """Which matrices run INT8. A matrix whose damage alone exceeds the budget stays FP32. The others
-    are taken cheapest first: without ``check``, while their summed damage fits the budget; with
-    ``check(sites) -> Damage`` (the measured damage of quantizing ``sites`` together), the longest
-    cheapest-first prefix whose measured damage fits (bisection, started from the summed estimate)."""
-    budget = budget_for(report.outputs)
-    order = sorted(range(len(report.sites)), key=lambda i: (report.solo[i].load(budget), i))
-    why: dict[int, str] = {}
-    candidates = []
-    for i in order:
-        d = report.solo[i]
-        if d.load(budget) > 1.0:
-            worst = max(d.by_output, key=lambda k: d.by_output[k] / budget[k])
-            why[i] = f"alone moves {worst} by {d.by_output[worst]:.2e} > budget {budget[worst]:.2e}"
+@torch.no_grad()
+def combined_damage(graph: nn.Module, ref: Reference, sites: Iterable[Site], fmt: WeightFormat) -> dict[str, float]:
+    """Damage of quantizing all ``sites`` together (emulated), worst over the calibration batches."""
+    worst: dict[str, float] = {}
+    with emulated(graph.model, list(sites), fmt):
+        for (ids, mask), want in zip(ref.batches, ref.outputs):
+            worst = _worst(worst, _damage(want, _outputs(graph, ids, mask)))
+    return worst
+
+
+# --- step 3 and the decisions ----------------------------------------------------------------------
+
+def longest_prefix(n: int, ok: Callable[[int], bool], guess: int | None = None) -> int:
+    """The largest k in 0..n with ``ok(k)``, assuming ok holds up to some k and fails after: asks n,
+    then ``guess``, then bisects between what passed and what failed; ``ok(0)`` is never asked.
+    Whatever it returns (but 0) was asked and passed, so a wrong assumption can cost INT8 matrices,
+    never correctness."""
+    if n == 0 or ok(n):
+        return n
+    lo, hi = 0, n - 1  # ok(lo) holds (or lo == 0), ok(hi + 1) fails
+    if guess is not None and 0 < guess < n:
+        if ok(guess):
+            lo = guess
         else:
-            candidates.append(i)
-    total, estimate = {k: 0.0 for k in budget}, 0
-    for i in candidates:
-        total = {k: total[k] + report.solo[i].by_output[k] for k in total}
-        if max(total[k] / budget[k] for k in total) > 1.0:
-            break
-        estimate += 1
-    combined, checks, k = {}, 0, estimate
-    if check is not None and candidates:
-        k, combined, checks = _longest_fitting_prefix(report, candidates, budget, check, estimate)
-    chosen = set(candidates[:k])
-    late = ("adding it (cheapest first) pushed the measured combined damage past the budget" if check is not None
-            else "its damage would push the summed damage past the budget (cheaper matrices took it)")
-    decisions = []
-    for i, site in enumerate(report.sites):
-        ok = i in chosen
-        decisions.append(MatrixDecision(site.name, site.layer, site.module, report.solo[i].by_output,
-                                        "int8" if ok else "float32", "within budget" if ok else why.get(i, late)))
-    return Int8Plan(report.fmt, budget, decisions, combined, checks,
-                    calibration={"texts": report.num_texts, "tokens": report.num_tokens, "max_len": report.max_len})
-
-
-def _longest_fitting_prefix(report, candidates: list[int], budget, check, estimate: int):
-    """(k, measured damage of prefix k, checks made): the largest k with a fitting measured damage,
-    assuming damage grows with the prefix. All candidates are tried first, then the summed estimate,
-    then bisection between what fits and what does not."""
-    def fits(k):
-        d = check([report.sites[i] for i in candidates[:k]])
-        return d.load(budget) <= 1.0, d.by_output
-
-    ok, d = fits(len(candidates))
-    if ok:
-        return len(candidates), d, 1
-    checks, best = 1, {k: 0.0 for k in budget}
-    lo, hi = 0, len(candidates) - 1  # prefix lo fits (0 trivially), prefix hi + 1 does not
-    if estimate > 0:
-        ok, d = fits(estimate)
-        checks += 1
-        if ok:
-            lo, best = estimate, d
-        else:
-            hi = estimate - 1
+            hi = guess - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        ok, d = fits(mid)
-        checks += 1
-        if ok:
-            lo, best = mid, d
+        if ok(mid):
+            lo = mid
         else:
             hi = mid - 1
-    return lo, best, checks
+    return lo
 
 
-# --- int8.json -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Selection:
+    """What the plan decided: ``matrices`` (every site, with its reason), the emulated damage of the
+    chosen set, and the end-to-end checks in the order they ran (the last passed)."""
 
-def save_int8(path: Path, plan_: Int8Plan, validation: dict | None = None, graph: dict | None = None) -> None:
-    data = {"plan": plan_.to_dict()}
-    if graph is not None:
-        data["graph"] = graph
-    if validation is not None:
-        data["validation"] = validation
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-
-def load_int8(path: Path) -> tuple[Int8Plan, dict]:
-    """The plan and the whole document of an ``int8.json``."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        return Int8Plan.from_dict(data["plan"]), data
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise PrecisionError(f"{path}: not a valid int8.json ({exc})") from exc
+    matrices: tuple[MatrixPlan, ...]
+    combined: dict[str, float]
+    checks: tuple[Int8Check, ...]
+    chosen: tuple[Site, ...]
+    seconds: dict[str, float]
 
 
-def plan_table(plan_: Int8Plan) -> list[tuple[str, ...]]:
-    """Rows (layer, matrix, damage per output..., runs in, why) for printing."""
-    names = list(plan_.budget)
-    rows = []
-    for m in plan_.matrices:
-        rows.append(("-" if m.layer is None else str(m.layer), m.module,
-                     *(f"{m.damage[n]:.2e}" if n in m.damage else "-" for n in names), "INT8" if m.precision == "int8" else "FP32",
-                     "" if m.precision == "int8" else m.why))
-    return rows
+E2E = Callable[[Sequence[Site]], tuple[bool, str]]  # sites -> (passed, what missed)
 
 
-def plan_headers(plan_: Int8Plan) -> tuple[str, ...]:
-    return ("layer", "matrix", *(f"1-cos {n}" for n in plan_.budget), "runs in", "why")
+def select(report: SensitivityReport, budget: dict[str, float], combined: Callable[[Sequence[Site]], dict[str, float]],
+           end_to_end: E2E) -> Selection:
+    """Steps 2 and 3 (see the module docstring). ``combined(sites)``: emulated damage of the set;
+    ``end_to_end(sites)``: build and check the real graph. PrecisionError when no set passes."""
+    t0 = time.perf_counter()
+    order = sorted(range(len(report.sites)), key=lambda i: (report.load(i, budget), i))
+    over = {i for i in order if report.load(i, budget) > 1.0}
+    candidates = [report.sites[i] for i in order if i not in over]
+    if not candidates:
+        raise PrecisionError("no matrix can run INT8: each alone moves an output past the plan's budget "
+                             f"{_fmt(budget)}; export without --int8")
+    measured: dict[int, dict[str, float]] = {}
+
+    def fits(k: int) -> bool:
+        measured[k] = combined(candidates[:k])
+        return max(measured[k][o] / budget[o] for o in budget) <= 1.0
+
+    summed, estimate = {o: 0.0 for o in budget}, 0
+    for site in candidates:
+        summed = {o: summed[o] + report.solo[report.sites.index(site)][o] for o in budget}
+        if max(summed[o] / budget[o] for o in budget) > 1.0:
+            break
+        estimate += 1
+    k_budget = longest_prefix(len(candidates), fits, estimate)
+    t1 = time.perf_counter()
+    if k_budget == 0:
+        raise PrecisionError(f"no INT8 set fits the plan's budget {_fmt(budget)}: the cheapest matrix "
+                             f"({candidates[0].name}) with the others moves outputs by {_fmt(measured[1])}")
+    checks: list[Int8Check] = []
+
+    def passes(k: int) -> bool:
+        ok, detail = end_to_end(candidates[:k])
+        checks.append(Int8Check(k, ok, "passed" if ok else detail))
+        return ok
+
+    k = longest_prefix(k_budget, passes)
+    if k == 0:
+        raise PrecisionError("no INT8 set passes the end-to-end check (grid and retrieval); tried "
+                             + "; ".join(f"{c.int8_matrices} matrices: {c.detail}" for c in checks))
+    missed = next((c.detail for c in reversed(checks) if not c.passed and c.int8_matrices > k), "")
+    why = {}
+    for i in over:
+        d = report.solo[i]
+        worst = max(d, key=lambda o: d[o] / budget[o])
+        why[report.sites[i]] = f"alone moves {worst} by {d[worst]:.2e} > budget {budget[worst]:.2e}"
+    for site in candidates[k_budget:]:
+        why[site] = "the measured damage of the cheaper matrices together with it passes the budget"
+    for site in candidates[k:k_budget]:
+        why[site] = f"the end-to-end check missed with it ({missed})"
+    matrices = tuple(MatrixPlan(s.name, s.layer, s.module, {o: finite_or_none(v) for o, v in report.solo[i].items()},
+                                "fp32" if s in why else "int8", why.get(s, ""))
+                     for i, s in enumerate(report.sites))
+    return Selection(matrices, measured[k_budget], tuple(checks), tuple(candidates[:k]),
+                     {"combined": t1 - t0, "end_to_end": time.perf_counter() - t1})
+
+
+def finite_or_none(v: float) -> float | None:
+    return v if v == v and abs(v) != float("inf") else None
+
+
+def _fmt(d: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2e}" for k, v in d.items())

@@ -34,6 +34,7 @@ class ExportOptions:
     split_seq: tuple[int, ...] | None = None
     workspace_gib: float = 4.0
     engine: bool = True  # try TensorRT when --fp16
+    int8: bool = False  # also model.int8.onnx for CPU serving (export/int8_stage.py)
 
     def target(self, source: str | Path) -> Path:
         """The bundle folder: ``out``, else ``engines/<last part of source>``."""

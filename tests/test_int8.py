@@ -1,58 +1,53 @@
-"""INT8 proven safe: the emulation is ONNX Runtime's arithmetic, the sensitivity plan finds a matrix made
-sensitive on purpose and keeps it FP32, the blind quantization fails the validation there while ours
-passes, and the INT8 graph runs integer kernels, stays finite on padded batches and is deterministic
-through the runtime's ONNX Runtime backend."""
+"""INT8 proven safe: the emulation is ONNX Runtime's arithmetic, our graph writer is ONNX Runtime's
+quantizer, the plan finds a matrix made sensitive on purpose and keeps it FP32 (by its damage alone,
+and by the end-to-end check when the budget lets it through), the blind quantization fails the
+validation there while ours passes, and the INT8 graph runs integer kernels and stays finite on
+padded batches. The bundle is exported once, through ``mbert-export --int8`` (``helpers.Bundles.int8``)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
-import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from helpers import make_checkpoint, random_batch
+from helpers import OUTLIER, random_batch
+from mbert.bundle import open_bundle
+from mbert.bundle.int8 import Int8Record
+from mbert.bundle.schema import from_json
+from mbert.bundle.texts import calibration_texts
+from mbert.bundle.validation import INT8_TOLERANCES, build_cases, default_grid, tolerances_for
 from mbert.export.int8 import (
-    S8_7BIT, Damage, Int8Plan, SensitivityReport, Site, _tail, emulated, load_int8, matrix_sites, plan,
-    quantize_activation, quantize_weight,
+    S8, S8_7BIT, SensitivityReport, Site, _tail, budget_for, calibration_batches, combined_damage, emulated,
+    fp32_reference, integer_product, longest_prefix, matrix_sites, quantize_activation, select,
 )
-from mbert.export.int8_check import (
-    INT8_TOLERANCES, raise_if_failed, retrieval_split, run_int8, topk_agreement, validate_int8,
-)
-from mbert.export.int8_graph import integer_matmuls, kernels_run, matrix_nodes, quantize_graph
-from mbert.export.onnx import GraphModule
-from mbert.export.pipeline import ExportOptions, _Stages, export_bundle
-from mbert.export.texts import calibration_texts
-from mbert.export.validate import build_cases, default_grid, eager_runner, load_tokenizer, onnx_runner
-from mbert.modeling import ValidationError, load_model, load_pooling
+from mbert.export.int8_check import check_graph, retrieval_set, retrieval_split, topk_agreement
+from mbert.export.int8_graph import integer_matmuls, kernels_run, quantize_graph, write_int8
+from mbert.export.runners import onnx_runner
+from mbert.modeling import PrecisionError, load_model, load_pooling
+from mbert.modeling.graph import GraphModule, eager_runner
+from mbert.modeling.tokenizer import load_tokenizer
 
-SMALL = dict(num_hidden_layers=3, hidden_size=128, num_attention_heads=2, intermediate_size=192, local_attention=16)
-OUTLIER = (1, 5, 50.0)  # layer 1's mlp.Wi input: channel 5 fifty times the others (FP32 function unchanged)
-MAX_LEN = 256
-PLAN_LEN = 64  # calibration texts cut to 64 tokens for the plan: enough to see the outlier, fast
+LAYER, _, _ = OUTLIER
+WI = f"layers.{LAYER}.mlp.Wi"
 
 
 @pytest.fixture(scope="module")
-def outlier(tmp_path_factory):
-    root = tmp_path_factory.mktemp("int8")
-    folder = make_checkpoint(root / "ck", "gte-modernbert-base", seed=3, layout="mean-normalize",
-                             outlier_channel=OUTLIER, **SMALL)
-    bundle = export_bundle(folder, ExportOptions(out=root / "out", max_seq_len=MAX_LEN)).bundle
-    model = load_model(folder)
-    graph = GraphModule(model, load_pooling(folder)).eval()
-    tok, cfg, texts = load_tokenizer(folder), model.config, calibration_texts()
-    cases = build_cases(tok, texts, default_grid(cfg.window_half_width, MAX_LEN), cfg.cls_token_id,
-                        cfg.sep_token_id, cfg.pad_token_id)
-    work = root / "int8"
-    work.mkdir()
-    (work / "model.onnx").write_bytes((bundle / "model.onnx").read_bytes())
-    reference = eager_runner(graph)
-    outcome = run_int8(graph, tok, texts, cases, reference, work, MAX_LEN, texts, _Stages(lambda e, m: None, 4),
-                       plan_max_len=PLAN_LEN)
-    return dict(folder=folder, graph=graph, model=model, tok=tok, cases=cases, work=work, outcome=outcome,
-                reference=reference, fp32=bundle / "model.onnx")
+def ctx(bundles):
+    """The CLI-exported INT8 bundle and what is needed to check graphs against its eager model."""
+    folder, printed = bundles.int8()
+    ck = bundles.checkpoint("outlier")
+    model = load_model(ck)
+    graph = GraphModule(model, load_pooling(ck)).eval()
+    tok, cfg, m = load_tokenizer(ck), model.config, open_bundle(folder).manifest
+    cases = build_cases(tok, calibration_texts(), default_grid(cfg.window_half_width, m.max_seq_len),
+                        cfg.cls_token_id, cfg.sep_token_id, cfg.pad_token_id)
+    return dict(folder=folder, printed=printed, manifest=m, model=model, graph=graph, tok=tok, cases=cases,
+                reference=eager_runner(graph), fp32=folder / "model.onnx")
 
 
-# --- the emulation is ONNX Runtime's arithmetic ----------------------------------------------------
+# --- the emulation is ONNX Runtime's arithmetic; our writer is its quantizer ----------------------
 
 def _dynamic_quantize_linear(x: np.ndarray):
     import onnxruntime as ort
@@ -77,24 +72,44 @@ def test_activation_quantization_equals_dynamic_quantize_linear():
         assert float(scale) == float(s) and int(zp) == int(z)
 
 
-def test_weight_quantization_equals_the_quantizer(outlier):
-    """Our per-channel int8 weights and scales are the initializers ONNX Runtime's quantizer writes."""
-    site = Site(1, "mlp.Wo")
-    path = outlier["work"] / "one.onnx"
-    quantize_graph(outlier["fp32"], path, [site], S8_7BIT)
-    proto = onnx.load(str(path))
-    node = next(n for n in proto.graph.node if n.name == matrix_nodes(outlier["fp32"])[site] + "_quant")
-    inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
-    q, scale = quantize_weight(dict(matrix_sites(outlier["model"]))[site].weight, S8_7BIT)
-    assert np.array_equal(inits[node.input[1]], q.t().numpy().astype(np.int8))  # B is W^T, [K, N]
-    assert np.array_equal(inits[node.input[1].replace("_quantized", "_scale")], scale.numpy())
-    assert float(q.abs().max()) <= 64  # 7-bit: no vpmaddubsw saturation on any x86 CPU
+@pytest.mark.parametrize("fmt", [S8_7BIT, S8])
+def test_integer_product_is_exact(fmt):
+    """The emulated int32 sums equal exact integer arithmetic at the worst case (every partial sum at
+    its largest), for a K long enough to need several float32 slices."""
+    g = torch.Generator().manual_seed(1)
+    K = 6000
+    a = torch.randint(-255, 256, (4, K), generator=g).float()
+    a[0] = 255.0
+    w = torch.randint(-fmt.qmax, fmt.qmax + 1, (6, K), generator=g).float()
+    w[0] = float(fmt.qmax)
+    w[1:3] = torch.randint(1, fmt.qmax + 1, (2, K), generator=g).float()  # one-signed: sums far past 2**24
+    want = a.long() @ w.long().t()
+    assert torch.equal(integer_product(a, w, fmt.qmax), want.double())
+    assert not torch.equal((a @ w.t()).double(), want.double())  # one float32 product would round
+
+
+@pytest.mark.parametrize("fmt", [S8_7BIT, S8])
+def test_write_int8_is_onnx_runtimes_quantizer(ctx, tmp_path, fmt):
+    """Our graph (one DynamicQuantizeMatMul per matrix) and quantize_dynamic's give bit-identical outputs
+    in ONNX Runtime, for a few matrices and for all of them."""
+    ids, mask = (t.numpy() for t in random_batch([100, 37, 5], seed=2))
+    for sites in ([Site(0, "attn.Wqkv"), Site(2, "mlp.Wo")], None):
+        ours, theirs = tmp_path / "ours.onnx", tmp_path / "theirs.onnx"
+        write_int8(ctx["fp32"], ours, sites, fmt)
+        quantize_graph(ctx["fp32"], theirs, sites, fmt)
+        a, b = onnx_runner(ours)(ids, mask), onnx_runner(theirs)(ids, mask)
+        for name in a:
+            assert np.array_equal(a[name], b[name]), (fmt.name, sites, name)
+    import onnx
+
+    inits = [numpy_helper.to_array(i) for i in onnx.load(str(ours)).graph.initializer if i.name.endswith("_W_int8")]
+    assert max(int(np.abs(q.astype(np.int32)).max()) for q in inits) == fmt.qmax
 
 
 def test_seven_bit_weights_are_exact_on_worst_case_inputs():
-    """The reason for 7-bit weights: with +-64 weights and uint8 activations at 255 the int32 result
-    is exact on this CPU whatever its instruction set (full-range +-127 weights overflow a 16-bit
-    pair sum without VNNI: see benchmarks/int8_cpu.py)."""
+    """The reason for 7-bit weights: with +-64 weights and uint8 activations at 255 the int32 result is
+    exact on this CPU whatever its instruction set (full-range +-127 weights overflow a 16-bit pair sum
+    without VNNI: see benchmarks/int8_cpu.py)."""
     import onnxruntime as ort
 
     K, N = 64, 8
@@ -111,18 +126,18 @@ def test_seven_bit_weights_are_exact_on_worst_case_inputs():
     assert np.array_equal(s.run(None, {"a": a})[0], a.astype(np.int64) @ b.astype(np.int64))
 
 
-def test_one_quantized_matrix_in_ort_equals_the_emulation(outlier):
+def test_one_quantized_matrix_in_ort_equals_the_emulation(ctx, tmp_path):
     """The whole model with one INT8 matrix: ONNX Runtime vs the eager emulation differ by summation
-    order only, a thousandth of what quantizing moved."""
-    ids, mask = (t.numpy() for t in random_batch([150, 37, 5], seed=1))
+    order only, a hundredth of what quantizing moved."""
+    ids, mask = (t.numpy() for t in random_batch([110, 37, 5], seed=1))
     keep = mask.astype(bool)
-    ref = outlier["reference"](ids, mask)
+    ref = ctx["reference"](ids, mask)
     for site in (Site(0, "attn.Wqkv"), Site(2, "mlp.Wi")):
-        path = outlier["work"] / "one.onnx"
-        quantize_graph(outlier["fp32"], path, [site], S8_7BIT)
+        path = tmp_path / "one.onnx"
+        write_int8(ctx["fp32"], path, [site], S8_7BIT)
         got = onnx_runner(path)(ids, mask)
-        with emulated(outlier["model"], [site], S8_7BIT):
-            emu = eager_runner(outlier["graph"])(ids, mask)
+        with emulated(ctx["model"], [site], S8_7BIT):
+            emu = eager_runner(ctx["graph"])(ids, mask)
         for name in got:
             g, e, r = (a[keep] if a.ndim == 3 else a for a in (got[name], emu[name], ref[name]))
             moved = np.abs(e - r).max()
@@ -130,123 +145,147 @@ def test_one_quantized_matrix_in_ort_equals_the_emulation(outlier):
             assert np.abs(g - e).max() < 1e-2 * moved, (site, name)
 
 
-def test_tail_from_cached_layer_input_equals_the_forward(outlier):
-    graph, model = outlier["graph"], outlier["model"]
+def test_tail_from_cached_layer_input_equals_the_forward(ctx):
+    graph = ctx["graph"]
     ids, mask = random_batch([90], seed=4)
-    inputs = []
-    hooks = [layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for layer in model.layers]
-    with torch.no_grad():
-        full = graph(ids, mask)
-        for h in hooks:
-            h.remove()
-        for start in (0, 2):
-            tail = _tail(graph, start, inputs[start], ids, mask)
-            assert torch.equal(tail["last_hidden_state"], full[0]) and torch.equal(tail["sentence_embedding"], full[1])
+    ref = fp32_reference(graph, [(ids, mask)])
+    for start in (0, 2):
+        with torch.no_grad():
+            tail = _tail(graph, start, ref.layer_inputs[0][start], ids, mask)
+        for name, want in ref.outputs[0].items():
+            assert torch.equal(tail[name], want), (start, name)
 
 
 # --- the plan finds the outlier; blind fails where ours passes -------------------------------------
 
-def test_plan_keeps_the_outlier_matrix_fp32(outlier):
-    p = outlier["outcome"].plan
-    layer, _, _ = OUTLIER
-    assert [s.name for s in p.fp32_sites()] == [f"layers.{layer}.mlp.Wi"]
-    wi = next(m for m in p.matrices if m.site == f"layers.{layer}.mlp.Wi")
-    others = [m for m in p.matrices if m.site != wi.site]
+def test_plan_keeps_the_outlier_matrix_fp32(ctx):
+    r = ctx["manifest"].int8
+    assert r.fp32_sites() == (WI,)
+    wi = next(m for m in r.matrices if m.site == WI)
+    others = [m for m in r.matrices if m.site != WI]
     assert wi.damage["last_hidden_state"] > 20 * max(m.damage["last_hidden_state"] for m in others)
-    assert "alone moves" in wi.why
-    assert all(v <= p.budget[k] for k, v in p.combined.items())
+    assert wi.why.startswith("alone moves") and wi.precision == "fp32"
+    assert all(v <= r.budget[k] for k, v in r.combined_damage.items())
+    assert [c.int8_matrices for c in r.checks if c.passed] == [len(r.int8_sites())] == [11]
 
 
-def test_ours_passes_where_blind_fails(outlier):
-    v = outlier["outcome"].validation
-    assert v["passed"] and v["retrieval"]["mean_agreement"] >= 0.95
-    ours = {o["name"]: o for o in v["outputs"]}
-    assert ours["sentence_embedding"]["worst_cosine"] >= 0.995
-    for key, blind in v["blind"].items():
-        assert not blind["passed"], key
-        b = {o["name"]: o for o in blind["outputs"]}
-        assert b["last_hidden_state"]["worst_cosine"] < INT8_TOLERANCES["last_hidden_state"].min_cosine, key
+def test_the_end_to_end_check_keeps_it_fp32_when_the_budget_lets_it_through(ctx, tmp_path):
+    """With a budget so loose that the outlier matrix is a candidate, the real graphs that contain it
+    miss the end-to-end check and the plan keeps it FP32 anyway; every set it tried was checked."""
+    graph, tok, cfg = ctx["graph"], ctx["tok"], ctx["model"].config
+    ref = fp32_reference(graph, calibration_batches(tok, calibration_texts()))
+    recorded = {m.site: m.damage for m in ctx["manifest"].int8.matrices}  # the export's solo measurements
+    sites = tuple(s for s, _ in matrix_sites(ctx["model"]))
+    report = SensitivityReport("s8-7bit", graph.output_names, sites, tuple(recorded[s.name] for s in sites), 0, 0, 0.0)
+    loose = {k: 1.0 for k in budget_for(graph.output_names)}
+    names, tried = graph.output_names, []
+    rs = retrieval_set(tok, calibration_texts(), cfg.cls_token_id, cfg.sep_token_id, 128, onnx_runner(ctx["fp32"]),
+                       names)
+
+    def end_to_end(chosen):
+        path = tmp_path / f"c{len(chosen)}.onnx"
+        write_int8(ctx["fp32"], path, chosen)
+        c = check_graph("candidate", path, ctx["reference"], ctx["cases"], tolerances_for("int8", names), rs,
+                        fail_fast=True)
+        tried.append((len(chosen), Site(LAYER, "mlp.Wi") in chosen, c.passed))
+        return c.passed, c.detail()
+
+    sel = select(report, loose, lambda s: combined_damage(graph, ref, s, S8_7BIT), end_to_end)
+    assert [m.site for m in sel.matrices if m.precision == "fp32"] == [WI]
+    assert "end-to-end check missed" in next(m.why for m in sel.matrices if m.site == WI)
+    assert all(not passed for _, has_wi, passed in tried if has_wi)
+    assert (len(sel.chosen), False, True) in tried and len(sel.chosen) == 11
+    assert [(c.int8_matrices, c.passed) for c in sel.checks] == [(n, ok) for n, _, ok in tried]
 
 
-def test_blind_graph_raises_in_the_gate(outlier, tmp_path):
-    path = tmp_path / "blind.onnx"
-    quantize_graph(outlier["fp32"], path, None, S8_7BIT)
-    tolerances = {n: INT8_TOLERANCES[n] for n in outlier["graph"].output_names}
-    report, _ = validate_int8("blind", path, outlier["reference"], outlier["cases"][:3], tolerances, None)
-    assert not report["passed"]
-    with pytest.raises(ValidationError, match="last_hidden_state: worst cosine"):
-        raise_if_failed(report)
-    raise_if_failed(outlier["outcome"].validation)  # ours passes the same gate
+def test_ours_passes_where_blind_fails(ctx):
+    m = ctx["manifest"]
+    ours, r = m.graph("int8").validation, m.int8
+    assert ours.passed and r.retrieval.passed and r.retrieval.mean_agreement >= 0.95
+    got = {o.name: o for o in ours.outputs}
+    assert got["sentence_embedding"].worst_cosine >= INT8_TOLERANCES["sentence_embedding"].min_cosine
+    assert {b.name for b in r.blind} == {"sentence-transformers avx512_vnni", "all matrices, 7-bit weights"}
+    for b in r.blind:
+        assert b.error is None and not b.validation.passed, b.name
+        blind = {o.name: o for o in b.validation.outputs}
+        assert blind["last_hidden_state"].worst_cosine < INT8_TOLERANCES["last_hidden_state"].min_cosine, b.name
+        assert b.retrieval.mean_agreement < r.retrieval.mean_agreement, b.name
 
 
-def test_int8_json_and_plot(outlier):
-    work = outlier["work"]
-    p, doc = load_int8(work / "int8.json")
-    assert p.to_dict() == outlier["outcome"].plan.to_dict()
-    assert doc["validation"]["passed"] and "blind" in doc["validation"]
+def test_int8_json_plot_and_cli_summary(ctx):
+    folder, m = ctx["folder"], ctx["manifest"]
+    doc = json.loads((folder / "int8.json").read_text())
+    assert from_json(Int8Record, doc["record"], "record") == m.int8
     assert doc["graph"]["weight_format"] == "s8-7bit" and doc["graph"]["per_channel"]
-    assert (work / "int8.png").stat().st_size > 10_000
+    assert WI not in doc["graph"]["nodes"] and len(doc["graph"]["nodes"]) == 11
+    assert (folder / "int8.png").stat().st_size > 10_000
+    printed = ctx["printed"]
+    for needle in ("INT8 sensitivity plan", "model.int8.onnx", "blind int8, sentence-transformers avx512_vnni "
+                   "(reference only)", "would FAIL", "top-10 neighbour agreement", f"FP32 (1): {WI} (alone moves"):
+        assert needle in printed, needle
 
 
-# --- the graph ------------------------------------------------------------------------------------
-
-def test_profiler_shows_integer_kernels(outlier):
-    kernels = load_int8(outlier["work"] / "int8.json")[1]["graph"]["kernels"]
-    n_int8 = len(outlier["outcome"].plan.int8_sites())
-    assert integer_matmuls(kernels) == n_int8 == 11
+def test_profiler_shows_integer_kernels(ctx):
+    m = ctx["manifest"]
+    assert m.int8.integer_kernels == len(m.int8.int8_sites()) == 11
     ids, mask = (t.numpy() for t in random_batch([20], seed=3))
-    assert integer_matmuls(kernels_run(outlier["fp32"], ids, mask)) == 0
+    assert integer_matmuls(kernels_run(ctx["folder"] / "model.int8.onnx", ids, mask)) == 11
+    assert integer_matmuls(kernels_run(ctx["fp32"], ids, mask)) == 0
 
 
-def test_int8_graph_finite_on_heavily_padded_batches(outlier):
-    run = onnx_runner(outlier["work"] / "model.int8.onnx")
-    for lengths in ([3, 250], [250, 1, 1, 2], [1]):
+def test_int8_graph_finite_on_heavily_padded_batches(ctx):
+    run = onnx_runner(ctx["folder"] / "model.int8.onnx")
+    for lengths in ([3, 128], [128, 1, 1, 2], [1], [2] * 7 + [128]):
         ids, mask = (t.numpy() for t in random_batch(lengths, seed=5))
-        got, want = run(ids, mask), outlier["reference"](ids, mask)
+        got, want = run(ids, mask), ctx["reference"](ids, mask)
         assert all(np.isfinite(a).all() for a in got.values())
         g, w = got["sentence_embedding"], want["sentence_embedding"]
         cos = (g * w).sum(-1) / np.linalg.norm(g, axis=-1) / np.linalg.norm(w, axis=-1)
-        assert cos.min() >= 0.995, (lengths, cos)
-
-
-def test_runtime_backend_runs_the_int8_graph_deterministically(outlier):
-    """``precision='int8'`` will open OrtBackend on model.int8.onnx: its output equals a plain ONNX
-    Runtime session's on the same inputs, and repeats exactly."""
-    from mbert.runtime.backends import OrtBackend
-
-    path = outlier["work"] / "model.int8.onnx"
-    backend = OrtBackend(path, MAX_LEN, cuda=False, precision="int8")
-    session = onnx_runner(path)
-    ids, mask = (t.numpy() for t in random_batch([120, 64, 7], seed=6))
-    a, b, c = backend.run(ids, mask), backend.run(ids, mask), session(ids, mask)
-    for name in c:
-        assert np.array_equal(a[name], b[name]) and np.array_equal(a[name], c[name]), name
+        assert cos.min() >= INT8_TOLERANCES["sentence_embedding"].min_cosine, (lengths, cos)
 
 
 # --- plan rules and the retrieval check -----------------------------------------------------------
 
 def _report(damages: list[float]) -> SensitivityReport:
-    sites = [Site(i, "mlp.Wi") for i in range(len(damages))]
-    return SensitivityReport("s8-7bit", ["sentence_embedding"], sites,
-                             [Damage({"sentence_embedding": d}) for d in damages], 1, 10, 10, 0.0)
+    sites = tuple(Site(i, "mlp.Wi") for i in range(len(damages)))
+    return SensitivityReport("s8-7bit", ("sentence_embedding",), sites,
+                             tuple({"sentence_embedding": d} for d in damages), 1, 10, 0.0)
 
 
 def test_plan_rules():
-    budget = 0.0025  # half of 1 - 0.995
-    p = plan(_report([1e-4, 3e-3, 1.5e-3, 5e-4]))
-    assert [m.precision for m in p.matrices] == ["int8", "float32", "int8", "int8"]
-    assert "alone moves" in p.matrices[1].why
-    p = plan(_report([1e-4, 3e-3, 2e-3, 5e-4]))  # 1e-4 + 5e-4 + 2e-3 > budget: the third waits
-    assert [m.precision for m in p.matrices] == ["int8", "float32", "float32", "int8"]
-    assert "summed damage" in p.matrices[2].why
-    # the combined measurement says the sum underestimates: the most damaging matrices are dropped
-    p = plan(_report([1e-4, 2e-4, 3e-4, 4e-4]), check=lambda sites: Damage({"sentence_embedding": 0.001 * len(sites)}))
-    assert [m.precision for m in p.matrices] == ["int8", "int8", "float32", "float32"]
-    assert "measured combined" in p.matrices[3].why and p.combined["sentence_embedding"] <= budget
-    # ... or that it overestimates (worst cases of different matrices fall on different texts)
-    p = plan(_report([1e-3, 1e-3, 1e-3, 3e-4]), check=lambda sites: Damage({"sentence_embedding": 4e-4 * len(sites)}))
-    assert [m.precision for m in p.matrices] == ["int8", "int8", "int8", "int8"] and p.checks == 1
-    assert Int8Plan.from_dict(p.to_dict()).to_dict() == p.to_dict()
+    budget = {"sentence_embedding": 0.0025}
+    additive = lambda s: {"sentence_embedding": 8e-4 * len(s)}  # noqa: E731
+    always = lambda s: (True, "")  # noqa: E731
+    sel = select(_report([1e-4, 3e-3, 1.5e-3, 5e-4]), budget, additive, always)
+    assert [m.precision for m in sel.matrices] == ["int8", "fp32", "int8", "int8"]
+    assert sel.matrices[1].why.startswith("alone moves sentence_embedding by 3.00e-03")
+    assert [c.int8_matrices for c in sel.checks] == [3]
+    # the measured combination passes the budget with a fourth: the most damaging waits
+    sel = select(_report([1e-4, 2e-4, 3e-4, 4e-4]), budget, additive, always)
+    assert [m.precision for m in sel.matrices] == ["int8", "int8", "int8", "fp32"]
+    assert "passes the budget" in sel.matrices[3].why
+    # the end-to-end check fails with more than two: bisection, every answer checked
+    sel = select(_report([1e-4, 2e-4, 3e-4, 4e-4, 5e-4]), {"sentence_embedding": 1.0}, additive,
+                 lambda s: (len(s) <= 2, "top-10 neighbour agreement 0.9 < 0.95"))
+    assert [m.precision for m in sel.matrices] == ["int8", "int8", "fp32", "fp32", "fp32"]
+    assert "end-to-end check missed with it (top-10" in sel.matrices[2].why
+    assert [(c.int8_matrices, c.passed) for c in sel.checks] == [(5, False), (2, True), (3, False)]
+    with pytest.raises(PrecisionError, match="no INT8 set passes the end-to-end check"):
+        select(_report([1e-4, 2e-4]), budget, additive, lambda s: (False, "worse"))
+    with pytest.raises(PrecisionError, match="no matrix can run INT8"):
+        select(_report([1.0, 2.0]), budget, additive, always)
+
+
+def test_longest_prefix_asks_what_it_returns():
+    for limit in range(0, 9):
+        asked = []
+
+        def ok(k, limit=limit):
+            asked.append(k)
+            return k <= limit
+
+        k = longest_prefix(8, ok, guess=3)
+        assert k == limit and (k == 0 or k in asked) and 0 not in asked
 
 
 def test_topk_agreement_can_fail():
@@ -256,9 +295,11 @@ def test_topk_agreement_can_fail():
     assert topk_agreement(q, p, q, rng.standard_normal((40, 8))).mean() < 0.5
 
 
-def test_retrieval_split_is_deterministic(outlier):
-    tok, cfg = outlier["tok"], outlier["model"].config
-    q1, p1 = retrieval_split(tok, calibration_texts(), cfg.cls_token_id, cfg.sep_token_id)
-    q2, p2 = retrieval_split(tok, calibration_texts(), cfg.cls_token_id, cfg.sep_token_id)
+def test_retrieval_split_is_deterministic_and_fits_the_bundle(ctx):
+    tok, cfg = ctx["tok"], ctx["model"].config
+    q1, p1 = retrieval_split(tok, calibration_texts(), cfg.cls_token_id, cfg.sep_token_id, 512)
+    q2, p2 = retrieval_split(tok, calibration_texts(), cfg.cls_token_id, cfg.sep_token_id, 512)
     assert np.array_equal(q1, q2) and np.array_equal(p1, p2) and len(q1) >= 100 and len(p1) >= 100
     assert (q1[:, 0] == cfg.cls_token_id).all() and (p1[:, -1] == cfg.sep_token_id).all()
+    q, p = retrieval_split(tok, calibration_texts(), cfg.cls_token_id, cfg.sep_token_id, 20)
+    assert q.shape[1] == p.shape[1] == 20
