@@ -91,12 +91,15 @@ class Int8Record:
 
 # --- presentation (shared by mbert-export's summary and mbert-run info) ---------------------------
 
-def describe_retrieval(r: RetrievalRecord) -> str:
+def describe_retrieval(r: RetrievalRecord, fp32_gaps: bool = True) -> str:
     verdict = "pass" if r.passed else "FAIL"
-    return (f"top-{r.k} neighbour agreement {r.mean_agreement:.3f} (worst query {r.worst_agreement:.1f}; "
-            f"{r.artifact} queries against an FP32 index {r.mixed_mean_agreement:.3f}) over {r.queries} queries x "
-            f"{r.passages} passages, {verdict} (>= {r.min_agreement}); FP32 cosine gap between neighbours {r.k} and "
-            f"{r.k + 1}: median {r.fp32_gap_median:.4f} (1st to {r.k}th: {r.fp32_score_spread_median:.4f})")
+    text = (f"top-{r.k} neighbour agreement {r.mean_agreement:.3f} (worst query {r.worst_agreement:.1f}; its "
+            f"queries against an FP32 index {r.mixed_mean_agreement:.3f}) over {r.queries} queries x {r.passages} "
+            f"passages, {verdict} (>= {r.min_agreement})")
+    if fp32_gaps:
+        text += (f"; FP32 cosine gap between neighbours {r.k} and {r.k + 1}: median {r.fp32_gap_median:.4f} "
+                 f"(1st to {r.k}th: {r.fp32_score_spread_median:.4f})")
+    return text
 
 
 def plan_table(record: Int8Record) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
@@ -136,7 +139,7 @@ def summary_lines(record: Int8Record) -> list[str]:
         lines.append("  retrieval: " + describe_retrieval(record.retrieval))
     for b in record.blind:
         if b.retrieval is not None:
-            lines.append(f"  blind ({b.name}, reference only): " + describe_retrieval(b.retrieval))
+            lines.append(f"  blind ({b.name}, reference only): " + describe_retrieval(b.retrieval, False))
         elif b.error:
             lines.append(f"  blind ({b.name}, reference only): could not run: {b.error}")
     lines.append("  cost: " + ", ".join(f"{k} {v:.0f}s" for k, v in record.seconds.items()))

@@ -24,8 +24,8 @@ The plan, in three measured steps (:func:`measure`, :func:`select`):
    exact arithmetic (:func:`int8_linear`, checked against ONNX Runtime in the tests); how far that
    moves every output (1 - cosine, worst calibration row). The FP32 run of each calibration batch
    is made once and kept (outputs and every layer's input), so the matrix of layer L re-runs only
-   layers L.. (encoder checkpoints). The rows are short (:data:`SOLO_LEN` tokens of up to
-   :data:`SOLO_ROWS` calibration texts, stacked as the runtime batches them): this step ranks
+   layers L.. (encoder checkpoints). The rows are short (the first :data:`SOLO_LEN` tokens of
+   :data:`SOLO_ROWS` calibration texts, one batch as the runtime batches them): this step ranks
    matrices and finds the ones that cannot run INT8 at all, and what makes a matrix sensitive (an
    activation outlier channel stretching the per-tensor scale) is a property of channels, present in
    every token, so short rows show it at a fraction of the cost (a solo pass costs ~2L forward
@@ -189,23 +189,20 @@ def emulated(model: nn.Module, sites: Iterable[Site], fmt: WeightFormat):
 
 def calibration_batches(tokenizer, texts: Sequence[str], length: int = SOLO_LEN,
                         rows: int = SOLO_ROWS) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Up to ``rows`` texts spread evenly over ``texts``, each cut to ``length`` tokens ([CLS] .. [SEP]),
-    rows of equal length stacked into one batch (no padding: a padded position would stretch the
-    per-tensor activation range with values no output uses)."""
+    """One batch: ``rows`` texts spread evenly over those of ``texts`` with at least ``length`` tokens,
+    each cut to its first ``length`` ([CLS] .. [SEP]). No padding: a padded position would stretch the
+    per-tensor activation range with values no output uses (short inputs are the end-to-end grid's)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(tokenizer.to_str())  # a private copy: padding off, our truncation
     tok.no_padding()
     tok.enable_truncation(length)
-    texts = [t for t in texts if t.strip()]
-    n = min(rows, len(texts))
-    picked = [texts[(i * len(texts)) // n] for i in range(n)]
-    by_len: dict[int, list[list[int]]] = {}
-    for text in picked:
-        ids = tok.encode(text).ids
-        by_len.setdefault(len(ids), []).append(ids)
-    return [(torch.tensor(r, dtype=torch.int64), torch.ones((len(r), T), dtype=torch.int64))
-            for T, r in sorted(by_len.items(), reverse=True)]
+    full = [e.ids for e in tok.encode_batch([t for t in texts if t.strip()]) if len(e.ids) == length]
+    if not full:
+        raise PrecisionError(f"no calibration text has {length} tokens: the INT8 plan needs some")
+    n = min(rows, len(full))
+    picked = [full[(i * len(full)) // n] for i in range(n)]
+    return [(torch.tensor(picked, dtype=torch.int64), torch.ones((n, length), dtype=torch.int64))]
 
 
 @dataclass
@@ -372,8 +369,10 @@ def select(report: SensitivityReport, budget: dict[str, float], combined: Callab
     over = {i for i in order if report.load(i, budget) > 1.0}
     candidates = [report.sites[i] for i in order if i not in over]
     if not candidates:
-        raise PrecisionError("no matrix can run INT8: each alone moves an output past the plan's budget "
-                             f"{_fmt(budget)}; export without --int8")
+        least = report.sites[order[0]]
+        raise PrecisionError(f"no matrix can run INT8: each alone moves an output past the plan's budget "
+                             f"({_fmt(budget)}); the least sensitive, {least.name}, moves "
+                             f"{_fmt(report.solo[order[0]])}; export without --int8")
     measured: dict[int, dict[str, float]] = {}
 
     def fits(k: int) -> bool:

@@ -127,7 +127,7 @@ def finish(ctx: "Context", chosen: Chosen) -> Int8Outcome:
     sens, sel = chosen.sensitivity, chosen.selection
     report = sens.report
     matrices = sel.matrices + tuple(_not_in_graph(s) for s in sens.not_in_graph)
-    calibration = (f"{report.rows} calibration rows of <= {SOLO_LEN} tokens ({report.tokens} tokens), "
+    calibration = (f"{report.rows} calibration rows x {SOLO_LEN} tokens, one batch, "
                    f"{report.fmt} weights")
     seconds = {**sens.seconds, **chosen.seconds, "kernels and blind": time.perf_counter() - t0}
     record = Int8Record(

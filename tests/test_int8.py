@@ -303,3 +303,22 @@ def test_retrieval_split_is_deterministic_and_fits_the_bundle(ctx):
     assert (q1[:, 0] == cfg.cls_token_id).all() and (p1[:, -1] == cfg.sep_token_id).all()
     q, p = retrieval_split(tok, calibration_texts(), cfg.cls_token_id, cfg.sep_token_id, 20)
     assert q.shape[1] == p.shape[1] == 20
+
+
+def test_int8_export_of_a_head_checkpoint(bundles, tmp_path):
+    """A masked-LM checkpoint: logits judged by the INT8 logits tolerance, no retrieval check (no
+    embedding); its tied decoder (no constant weight in the graph) stays FP32 with the reason."""
+    from mbert.export.options import ExportOptions
+    from mbert.export.pipeline import export_bundle
+
+    m = export_bundle(bundles.checkpoint("mlm"), ExportOptions(out=tmp_path / "b", max_seq_len=64, int8=True)).manifest
+    r, v = m.int8, m.graph("int8").validation
+    assert r.retrieval is None and all(b.retrieval is None for b in r.blind)
+    assert v.passed and [o.name for o in v.outputs] == ["logits"]
+    assert v.outputs[0].tolerance == INT8_TOLERANCES["logits"] and set(r.budget) == {"logits"}
+    sites = {x.site: x for x in r.matrices}
+    assert set(sites) == {"layers.0.attn.Wqkv", "layers.0.attn.Wo", "layers.0.mlp.Wi", "layers.0.mlp.Wo",
+                          "head.dense", "decoder"}
+    assert sites["decoder"].precision == "fp32" and "not a MatMul with a constant weight" in sites["decoder"].why
+    assert sites["head.dense"].damage and all(x.precision == "int8" or x.why for x in sites.values())
+    assert open_bundle(tmp_path / "b").manifest == m
