@@ -348,7 +348,8 @@ def longest_prefix(n: int, ok: Callable[[int], bool], guess: int | None = None) 
 @dataclass(frozen=True)
 class Selection:
     """What the plan decided: ``matrices`` (every site, with its reason), the emulated damage of the
-    chosen set, and the end-to-end checks in the order they ran (the last passed)."""
+    set within budget, the end-to-end checks in the order they ran, and the chosen set (the one
+    checked with ``len(chosen)`` matrices passed)."""
 
     matrices: tuple[MatrixPlan, ...]
     combined: dict[str, float]
@@ -388,8 +389,8 @@ def select(report: SensitivityReport, budget: dict[str, float], combined: Callab
     k_budget = longest_prefix(len(candidates), fits, estimate)
     t1 = time.perf_counter()
     if k_budget == 0:
-        raise PrecisionError(f"no INT8 set fits the plan's budget {_fmt(budget)}: the cheapest matrix "
-                             f"({candidates[0].name}) with the others moves outputs by {_fmt(measured[1])}")
+        raise PrecisionError(f"no INT8 set fits the plan's budget {_fmt(budget)}: even the least sensitive "
+                             f"matrix alone ({candidates[0].name}) measured {_fmt(measured[1])}")
     checks: list[Int8Check] = []
 
     def passes(k: int) -> bool:

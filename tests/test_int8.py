@@ -322,3 +322,20 @@ def test_int8_export_of_a_head_checkpoint(bundles, tmp_path):
     assert sites["decoder"].precision == "fp32" and "not a MatMul with a constant weight" in sites["decoder"].why
     assert sites["head.dense"].damage and all(x.precision == "int8" or x.why for x in sites.values())
     assert open_bundle(tmp_path / "b").manifest == m
+
+
+def test_cli_int8_export_fails_in_one_line_when_no_matrix_can_run_int8(bundles, tmp_path):
+    """The token-classification test head (3 labels, random weights): every matrix alone moves its
+    3-wide logits past the budget, so there is no INT8 graph to ship: exit 1, one line saying why,
+    nothing written."""
+    from click.testing import CliRunner
+
+    from mbert.export.cli import main
+
+    out = tmp_path / "b"
+    result = CliRunner().invoke(main, [str(bundles.checkpoint("tokcls")), "--int8", "--out", str(out),
+                                       "--max-seq-len", "64"])
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert result.exit_code == 1 and len(lines) == 1, result.output
+    assert "no matrix can run INT8" in lines[0] and "export without --int8" in lines[0]
+    assert not out.exists() and not any(p.name.startswith(".b.partial") for p in tmp_path.iterdir())
