@@ -31,6 +31,7 @@ _EXPORTS = {
     "manifest_digest": ".checks",
     "pool": ".text",
     "plan_batches": ".text",
+    "TritonEncoder": ".triton_client",
 }
 
 __all__ = sorted(_EXPORTS)

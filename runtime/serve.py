@@ -1,0 +1,398 @@
+"""Run a real Triton Inference Server on a bundle's model repository (``<bundle>/triton/``).
+
+    with TritonServer(Path("engines/gte/triton")) as server:   # free loopback ports
+        server.http_url, server.grpc_url, server.metrics_url
+
+``mbert-run serve BUNDLE [--http-port N] [--grpc-port N] [--metrics-port N] [--encoder ...]`` is
+the same from the command line: it waits until the server is ready, prints the endpoints and a
+``curl`` example, forwards SIGINT/SIGTERM and exits when Triton has shut down.
+
+Where ``tritonserver`` comes from (:func:`find_tritonserver`): the ``nvidia-pytriton`` wheel
+(``pip install 'mbert-export[serve]'``: its ``tritonserver`` with the Python backend, its libraries
+in ``nvidia_pytriton.libs/``, and one Python-backend stub per Python version), else a
+``tritonserver`` on PATH (NVIDIA's containers, with their own backends). For the wheel, a backends
+folder is prepared once per user (``~/.cache/mbert-export/triton-backends/...``: the Python backend
+plus the stub of the running Python); the Python models then run in the Python that runs this code
+(its ``bin`` is put first on PATH, its ``libpython`` first on the loader path), so they import this
+package and its ONNX Runtime.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from importlib import util as importlib_util
+from pathlib import Path
+from typing import Sequence
+
+import click
+
+from mbert.modeling.errors import BundleError, MbertError
+
+__all__ = ["ServeError", "TritonInstall", "TritonServer", "find_tritonserver", "prepare_backends", "free_port",
+           "repository_of", "set_ensemble_encoder", "serve"]
+
+ENCODERS = ("python", "onnx", "trt")
+_counter = itertools.count()
+
+
+class ServeError(MbertError):
+    """tritonserver is missing, exited, or did not become ready (the message has its log's tail)."""
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """A ``tritonserver`` and what it needs to run."""
+
+    executable: Path
+    lib_dirs: tuple[Path, ...] = ()  # prepended to LD_LIBRARY_PATH
+    python_backend: Path | None = None  # folder with libtriton_python.so to copy (None: server's own)
+    stub: Path | None = None  # triton_python_backend_stub for the running Python
+    origin: str = "PATH"
+
+
+def find_tritonserver() -> TritonInstall:
+    """The ``tritonserver`` of the installed nvidia-pytriton wheel, else one on PATH."""
+    spec = importlib_util.find_spec("pytriton")  # locates the package without importing it
+    if spec is not None and spec.submodule_search_locations:
+        root = Path(list(spec.submodule_search_locations)[0])
+        dist = root / "tritonserver"
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+        exe = dist / "bin" / "tritonserver"
+        if exe.is_file():
+            if not stub.is_file():
+                raise ServeError(f"nvidia-pytriton at {root} has no Python backend stub for Python "
+                                  f"{version} ({stub}); use a Python it ships stubs for")
+            libs = root.parent / "nvidia_pytriton.libs"
+            return TritonInstall(exe, (libs,) if libs.is_dir() else (), dist / "backends" / "python",
+                                 stub, f"nvidia-pytriton ({root})")
+    found = shutil.which("tritonserver")
+    if found:
+        return TritonInstall(Path(found))
+    raise ServeError("no tritonserver found: pip install 'mbert-export[serve]' (nvidia-pytriton "
+                      "ships one), or put NVIDIA's tritonserver on PATH")
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mbert-export" / "triton-backends"
+
+
+def prepare_backends(install: TritonInstall, cache: Path | None = None) -> Path | None:
+    """A backends folder holding ``python/`` (the wheel's Python backend and the stub of this
+    Python), made once under ``cache`` (default: the per-user cache); None for a tritonserver that
+    brings its own backends."""
+    if install.python_backend is None or install.stub is None:
+        return None
+    stub_size = install.stub.stat().st_size
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-{stub_size}"
+    target = (cache or _cache_root()) / tag
+    if (target / "python" / "triton_python_backend_stub").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".backends-", dir=target.parent))
+    try:
+        shutil.copytree(install.python_backend, stage / "python",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(install.stub, stage / "python" / "triton_python_backend_stub")
+        try:
+            os.replace(stage, target)
+        except OSError:  # prepared concurrently by another process
+            if not (target / "python" / "triton_python_backend_stub").is_file():
+                raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return target
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def repository_of(path: str | Path) -> Path:
+    """``path/triton`` for a bundle, or ``path`` itself when it is a model repository."""
+    path = Path(path)
+    if (path / "triton").is_dir():
+        return path / "triton"
+    if path.is_dir() and any(path.glob("*/config.pbtxt")):
+        return path
+    raise BundleError(f"{path}: neither a bundle with a triton/ folder nor a Triton model repository "
+                      "(re-export the bundle to write one)")
+
+
+def _parse_config(path: Path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        return text_format.Parse(path.read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
+    except (OSError, text_format.ParseError) as exc:
+        raise BundleError(f"{path}: not a readable Triton model config ({exc})") from exc
+
+
+def ensembles(repository: Path) -> dict[str, list[str]]:
+    """Ensemble name -> the models of its steps, for every ensemble of a repository."""
+    out = {}
+    for path in sorted(repository.glob("*/config.pbtxt")):
+        config = _parse_config(path)
+        if config.platform == "ensemble":
+            out[config.name] = [s.model_name for s in config.ensemble_scheduling.step]
+    return out
+
+
+def set_ensemble_encoder(repository: Path, encoder: str) -> list[Path]:
+    """Route every ensemble of the repository to ``<name>_<encoder>`` (``python``, ``onnx`` or
+    ``trt``): rewrites the second step of ``<name>/config.pbtxt`` (the documented edit). Returns
+    the files changed; a BundleError when the target model is not in the repository or does not
+    offer the tensors the ensemble maps."""
+    from google.protobuf import text_format
+
+    if encoder not in ENCODERS:
+        raise BundleError(f"encoder must be one of {', '.join(ENCODERS)}, got {encoder!r}")
+    changed = []
+    for name in ensembles(repository):
+        path = repository / name / "config.pbtxt"
+        config = _parse_config(path)
+        step = config.ensemble_scheduling.step[-1]
+        target = f"{name}_{encoder}"
+        if step.model_name == target:
+            continue
+        target_config = repository / target / "config.pbtxt"
+        if not target_config.is_file():
+            hint = " (the bundle has no model.plan yet)" if encoder == "trt" else ""
+            raise BundleError(f"{repository}: has no model {target}{hint}; ensemble {name} keeps "
+                              f"{step.model_name}")
+        model = _parse_config(target_config)
+        offered = {t.name for t in model.input} | {t.name for t in model.output}
+        missing = sorted((set(step.input_map) | set(step.output_map)) - offered)
+        if missing:
+            raise BundleError(f"{target_config}: lacks tensors {missing} that ensemble {name} maps")
+        step.model_name = target
+        comments = [line for line in path.read_text(encoding="utf-8").splitlines() if line.startswith("#")]
+        path.write_text("\n".join(comments + [text_format.MessageToString(config)]), encoding="utf-8")
+        changed.append(path)
+    return changed
+
+
+class TritonServer:
+    """A ``tritonserver`` process on ``repository``, as a context manager (started and ready on
+    entry, stopped on exit, even when the body raised).
+
+    ``models=None`` loads every model and keeps serving when some fail (so their states can be
+    inspected: ``/v2/repository/index``); a list loads just those (explicit model control) and
+    fails fast. Ports default to free ones; ``host`` is the address every endpoint binds.
+    ``log``: a file for Triton's output (default: a temporary file; ``"-"``: this process's own
+    stdout/stderr).
+    """
+
+    def __init__(self, repository: str | Path, *, http_port: int = 0, grpc_port: int = 0,
+                 metrics_port: int = 0, host: str = "127.0.0.1", models: Sequence[str] | None = None,
+                 log: str | Path | None = None, ready_timeout: float = 300.0,
+                 install: TritonInstall | None = None, backend_cache: Path | None = None,
+                 extra_args: Sequence[str] = ()):
+        self.repository = Path(repository).resolve()
+        if not self.repository.is_dir():
+            raise BundleError(f"{self.repository}: model repository not found")
+        self.host = host
+        self.http_port, self.grpc_port, self.metrics_port = (
+            port or free_port(host) for port in (http_port, grpc_port, metrics_port))
+        self.models = list(models) if models is not None else None
+        self.ready_timeout = ready_timeout
+        self.install = install or find_tritonserver()
+        self.backend_cache, self.extra_args = backend_cache, list(extra_args)
+        self._log_arg = log
+        self.log_path: Path | None = None
+        self.process: subprocess.Popen | None = None
+
+    # --- endpoints ---------------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def command(self, backends: Path | None) -> list[str]:
+        args = [str(self.install.executable), f"--model-repository={self.repository}",
+                f"--http-address={self.host}", f"--http-port={self.http_port}",
+                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+                "--exit-timeout-secs=10",
+                f"--backend-config=python,shm-region-prefix-name=mbert{os.getpid()}_{next(_counter)}_"]
+        if backends is not None:
+            args.append(f"--backend-directory={backends}")
+        if self.models is None:
+            args += ["--exit-on-error=false", "--strict-readiness=false"]
+        else:
+            args += ["--model-control-mode=explicit"] + [f"--load-model={m}" for m in self.models]
+        return args + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.install.stub is None:
+            return env
+        libdir = sysconfig.get_config_var("LIBDIR")  # the running Python's libpython, for the stub
+        dirs = [libdir] if libdir and Path(libdir).is_dir() else []
+        dirs += [str(d) for d in self.install.lib_dirs]
+        env["LD_LIBRARY_PATH"] = ":".join(dirs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        return env
+
+    def start(self) -> "TritonServer":
+        backends = prepare_backends(self.install, self.backend_cache)
+        if self._log_arg == "-":
+            out = None
+        else:
+            if self._log_arg is None:
+                fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+                os.close(fd)
+                self.log_path = Path(name)
+            else:
+                self.log_path = Path(self._log_arg)
+            out = open(self.log_path, "wb")
+        try:
+            self.process = subprocess.Popen(self.command(backends), env=self.environment(), stdout=out,
+                                            stderr=subprocess.STDOUT if out else None,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            if out is not None:
+                out.close()
+        return self
+
+    def wait_ready(self) -> "TritonServer":
+        """Block until ``/v2/health/ready`` answers 200; ServeError (with the log's tail) when the
+        server exits first or ``ready_timeout`` passes."""
+        deadline = time.monotonic() + self.ready_timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while True:
+            code = self.process.poll() if self.process else -1
+            if code is not None:
+                raise ServeError(f"tritonserver exited with status {code} before it was ready "
+                                  f"(repository {self.repository}):\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServeError(f"tritonserver was not ready after {self.ready_timeout:.0f}s "
+                                  f"(repository {self.repository}):\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def signal(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (Triton finishes in-flight requests), then SIGKILL after ``timeout``."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return "(log on the console)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def curl_example(server: TritonServer, model: str, output: str = "sentence_embedding") -> str:
+    body = ('{"inputs":[{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["Hello Triton"]}],'
+            f'"outputs":[{{"name":"{output}"}}]}}')
+    return f"curl -s -X POST http://{server.http_url}/v2/models/{model}/infer -d '{body}'"
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--http-port", type=click.IntRange(0, 65535), default=0, help="Default: a free port.")
+@click.option("--grpc-port", type=click.IntRange(0, 65535), default=0, help="Default: a free port.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, help="Default: a free port.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the endpoints bind (0.0.0.0: every interface).")
+@click.option("--encoder", type=click.Choice(ENCODERS), default=None,
+              help="Route the ensemble to this encoder first (rewrites triton/<name>/config.pbtxt).")
+@click.option("--ready-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds to wait for the models to load.")
+def serve(bundle, http_port, grpc_port, metrics_port, host, encoder, ready_timeout):
+    """Serve BUNDLE's Triton repository with a real tritonserver until Ctrl-C / SIGTERM."""
+    try:
+        repo = repository_of(bundle)
+        if encoder:
+            for path in set_ensemble_encoder(repo, encoder):
+                click.echo(f"ensemble now routes to the {encoder} encoder ({path})", err=True)
+        graph = ensembles(repo)
+        if not graph:
+            raise BundleError(f"{repo}: has no ensemble model")
+        models = sorted(set(graph) | {m for steps in graph.values() for m in steps})
+        server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                              host=host, models=models, log="-", ready_timeout=ready_timeout)
+        server.start()
+        stopping = []
+
+        def forward(signum, _frame):
+            stopping.append(signum)
+            server.signal(signum if len(stopping) == 1 else signal.SIGKILL)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.wait_ready()
+            name = sorted(graph)[0]
+            click.echo(f"\nTriton serving {repo} with {server.install.origin}\n"
+                       f"  models   {', '.join(models)}\n"
+                       f"  HTTP     http://{server.http_url}\n  gRPC     {server.grpc_url}\n"
+                       f"  metrics  {server.metrics_url}\n"
+                       f"  try      {curl_example(server, name, _first_output(repo, name))}\n"
+                       "Ctrl-C stops it.", err=True)
+            code = server.process.wait()
+        finally:
+            code = server.stop()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+    except MbertError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if code not in (0, None) and not stopping:
+        raise click.ClickException(f"tritonserver exited with status {code}")
+
+
+def _first_output(repo: Path, name: str) -> str:
+    outputs = [t.name for t in _parse_config(repo / name / "config.pbtxt").output]
+    return outputs[0] if outputs else "sentence_embedding"
