@@ -40,7 +40,7 @@ import click
 from mbert.modeling.errors import BundleError, MbertError
 
 __all__ = ["ServeError", "TritonInstall", "TritonServer", "find_tritonserver", "prepare_backends", "free_port",
-           "repository_of", "set_ensemble_encoder", "serve"]
+           "repository_of", "ensembles", "ensemble_models", "set_ensemble_encoder", "serve"]
 
 ENCODERS = ("python", "onnx", "trt")
 _counter = itertools.count()
@@ -144,14 +144,31 @@ def _parse_config(path: Path):
         raise BundleError(f"{path}: not a readable Triton model config ({exc})") from exc
 
 
-def ensembles(repository: Path) -> dict[str, list[str]]:
-    """Ensemble name -> the models of its steps, for every ensemble of a repository."""
+def ensembles(repository: Path, unreadable: list[str] | None = None) -> dict[str, list[str]]:
+    """Ensemble name -> the models of its steps, for every ensemble of a repository. Configs that
+    do not parse raise, or are skipped with their error appended to ``unreadable`` if given."""
     out = {}
     for path in sorted(repository.glob("*/config.pbtxt")):
-        config = _parse_config(path)
+        try:
+            config = _parse_config(path)
+        except BundleError as exc:
+            if unreadable is None:
+                raise
+            unreadable.append(str(exc))
+            continue
         if config.platform == "ensemble":
             out[config.name] = [s.model_name for s in config.ensemble_scheduling.step]
     return out
+
+
+def ensemble_models(repository: Path, unreadable: list[str] | None = None) -> list[str]:
+    """The ensembles of a repository and the models their steps use: what ``mbert-run serve``
+    loads (a model of a backend this server lacks is never tried unless an ensemble routes to it).
+    BundleError when the repository has no ensemble."""
+    graph = ensembles(repository, unreadable)
+    if not graph:
+        raise BundleError(f"{repository}: has no ensemble model")
+    return sorted(set(graph) | {m for steps in graph.values() for m in steps})
 
 
 def set_ensemble_encoder(repository: Path, encoder: str) -> list[Path]:
@@ -164,7 +181,7 @@ def set_ensemble_encoder(repository: Path, encoder: str) -> list[Path]:
     if encoder not in ENCODERS:
         raise BundleError(f"encoder must be one of {', '.join(ENCODERS)}, got {encoder!r}")
     changed = []
-    for name in ensembles(repository):
+    for name in ensembles(repository, []):
         path = repository / name / "config.pbtxt"
         config = _parse_config(path)
         step = config.ensemble_scheduling.step[-1]
@@ -359,10 +376,10 @@ def serve(bundle, http_port, grpc_port, metrics_port, host, encoder, ready_timeo
         if encoder:
             for path in set_ensemble_encoder(repo, encoder):
                 click.echo(f"ensemble now routes to the {encoder} encoder ({path})", err=True)
-        graph = ensembles(repo)
-        if not graph:
-            raise BundleError(f"{repo}: has no ensemble model")
-        models = sorted(set(graph) | {m for steps in graph.values() for m in steps})
+        unreadable: list[str] = []
+        models = ensemble_models(repo, unreadable)
+        for problem in unreadable:
+            click.echo(f"warning: skipped {problem}", err=True)
         server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                               host=host, models=models, log="-", ready_timeout=ready_timeout)
         server.start()
@@ -375,7 +392,7 @@ def serve(bundle, http_port, grpc_port, metrics_port, host, encoder, ready_timeo
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             server.wait_ready()
-            name = sorted(graph)[0]
+            name = sorted(ensembles(repo, []))[0]
             click.echo(f"\nTriton serving {repo} with {server.install.origin}\n"
                        f"  models   {', '.join(models)}\n"
                        f"  HTTP     http://{server.http_url}\n  gRPC     {server.grpc_url}\n"
