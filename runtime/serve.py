@@ -3,9 +3,10 @@
     with TritonServer(Path("engines/gte/triton")) as server:   # free loopback ports
         server.http_url, server.grpc_url, server.metrics_url
 
-``mbert-run serve BUNDLE [--http-port N] [--grpc-port N] [--metrics-port N] [--encoder ...]`` is
-the same from the command line: it waits until the server is ready, prints the endpoints and a
-``curl`` example, forwards SIGINT/SIGTERM and exits when Triton has shut down.
+``mbert-run serve BUNDLE [--http-port N] [--grpc-port N] [--metrics-port N] [--encoder ...]``
+(:mod:`mbert.runtime.serve_cli`) is the same from the command line: it waits until the server is
+ready, prints the endpoints and a ``curl`` example, forwards SIGINT/SIGTERM and exits when Triton
+has shut down.
 
 Where ``tritonserver`` comes from (:func:`find_tritonserver`): the ``nvidia-pytriton`` wheel
 (``pip install 'mbert-export[serve]'``: its ``tritonserver`` with the Python backend, its libraries
@@ -35,14 +36,14 @@ from importlib import util as importlib_util
 from pathlib import Path
 from typing import Sequence
 
-import click
-
 from mbert.modeling.errors import BundleError, MbertError
 
-__all__ = ["ServeError", "TritonInstall", "TritonServer", "find_tritonserver", "prepare_backends", "free_port",
-           "repository_of", "ensembles", "ensemble_models", "set_ensemble_encoder", "serve"]
+from .serve_cli import ENCODERS
 
-ENCODERS = ("python", "onnx", "trt")
+__all__ = ["ServeError", "TritonInstall", "TritonServer", "find_tritonserver", "prepare_backends", "free_port",
+           "repository_of", "ensembles", "ensemble_models", "set_ensemble_encoder", "curl_example",
+           "first_output"]
+
 _counter = itertools.count()
 
 
@@ -358,58 +359,6 @@ def curl_example(server: TritonServer, model: str, output: str = "sentence_embed
     return f"curl -s -X POST http://{server.http_url}/v2/models/{model}/infer -d '{body}'"
 
 
-@click.command()
-@click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--http-port", type=click.IntRange(0, 65535), default=0, help="Default: a free port.")
-@click.option("--grpc-port", type=click.IntRange(0, 65535), default=0, help="Default: a free port.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, help="Default: a free port.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address the endpoints bind (0.0.0.0: every interface).")
-@click.option("--encoder", type=click.Choice(ENCODERS), default=None,
-              help="Route the ensemble to this encoder first (rewrites triton/<name>/config.pbtxt).")
-@click.option("--ready-timeout", type=float, default=300.0, show_default=True,
-              help="Seconds to wait for the models to load.")
-def serve(bundle, http_port, grpc_port, metrics_port, host, encoder, ready_timeout):
-    """Serve BUNDLE's Triton repository with a real tritonserver until Ctrl-C / SIGTERM."""
-    try:
-        repo = repository_of(bundle)
-        if encoder:
-            for path in set_ensemble_encoder(repo, encoder):
-                click.echo(f"ensemble now routes to the {encoder} encoder ({path})", err=True)
-        unreadable: list[str] = []
-        models = ensemble_models(repo, unreadable)
-        for problem in unreadable:
-            click.echo(f"warning: skipped {problem}", err=True)
-        server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                              host=host, models=models, log="-", ready_timeout=ready_timeout)
-        server.start()
-        stopping = []
-
-        def forward(signum, _frame):
-            stopping.append(signum)
-            server.signal(signum if len(stopping) == 1 else signal.SIGKILL)
-
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            server.wait_ready()
-            name = sorted(ensembles(repo, []))[0]
-            click.echo(f"\nTriton serving {repo} with {server.install.origin}\n"
-                       f"  models   {', '.join(models)}\n"
-                       f"  HTTP     http://{server.http_url}\n  gRPC     {server.grpc_url}\n"
-                       f"  metrics  {server.metrics_url}\n"
-                       f"  try      {curl_example(server, name, _first_output(repo, name))}\n"
-                       "Ctrl-C stops it.", err=True)
-            code = server.process.wait()
-        finally:
-            code = server.stop()
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-    except MbertError as exc:
-        raise click.ClickException(str(exc)) from exc
-    if code not in (0, None) and not stopping:
-        raise click.ClickException(f"tritonserver exited with status {code}")
-
-
-def _first_output(repo: Path, name: str) -> str:
+def first_output(repo: Path, name: str) -> str:
     outputs = [t.name for t in _parse_config(repo / name / "config.pbtxt").output]
     return outputs[0] if outputs else "sentence_embedding"

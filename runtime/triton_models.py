@@ -64,12 +64,20 @@ def parameters(config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
 
 
-def _int(params: dict[str, str], key: str, config: dict) -> int:
-    try:
-        return int(params[key])
-    except (KeyError, ValueError):
-        raise ValueError(f"{config.get('name')}/config.pbtxt: parameter {key} must be an integer, "
-                         f"got {params.get(key)!r}") from None
+class _Role:
+    """What both roles read from their config: parameters, ``max_length`` and ``pad_id``."""
+
+    def __init__(self, config: dict, pb_utils: Any):
+        self.name, self.params, self.pb = config.get("name"), parameters(config), pb_utils
+        self.max_length = self.integer("max_length")
+        self.pad_id = self.integer("pad_id")
+
+    def integer(self, key: str) -> int:
+        try:
+            return int(self.params[key])
+        except (KeyError, ValueError):
+            raise ValueError(f"{self.name}/config.pbtxt: parameter {key} must be an integer, "
+                             f"got {self.params.get(key)!r}") from None
 
 
 def _bad_request(pb_utils: Any, message: str) -> Any:
@@ -103,18 +111,16 @@ def bucket_length(longest: int, buckets: list[int]) -> int:
     return buckets[min(bisect.bisect_left(buckets, longest), len(buckets) - 1)]
 
 
-class TokenizerModel:
+class TokenizerModel(_Role):
     def __init__(self, config: dict, folder: Path, pb_utils: Any):
         from .text import TextEncoder
 
-        params = parameters(config)
-        self.pb = pb_utils
-        self.max_length = _int(params, "max_length", config)
-        self.pad_id = _int(params, "pad_id", config)
+        super().__init__(config, pb_utils)
+        params = self.params
         try:
             self.buckets = sorted(int(b) for b in params.get("length_buckets", "").split(",") if b)
         except ValueError:
-            raise ValueError(f"{config.get('name')}/config.pbtxt: length_buckets must be "
+            raise ValueError(f"{self.name}/config.pbtxt: length_buckets must be "
                              f"comma-separated integers, got {params.get('length_buckets')!r}") from None
         if not self.buckets or self.buckets[-1] != self.max_length:
             self.buckets.append(self.max_length)
@@ -123,7 +129,7 @@ class TokenizerModel:
         try:
             self.family = pb_utils.MetricFamily(name=TRUNCATED_METRIC, kind=pb_utils.MetricFamily.COUNTER,
                                                 description="texts truncated to the model's max length")
-            self.counter = self.family.Metric(labels={"model": str(config.get("name"))})
+            self.counter = self.family.Metric(labels={"model": str(self.name)})
         except Exception:  # noqa: BLE001 - metrics disabled on this server: truncation is still reported per row
             self.family = self.counter = None
 
@@ -172,17 +178,14 @@ def row_lengths(ids: np.ndarray, mask: np.ndarray, max_length: int) -> np.ndarra
     return lengths
 
 
-class EncoderModel:
+class EncoderModel(_Role):
     def __init__(self, config: dict, folder: Path, pb_utils: Any):
         from .backends import OrtBackend
 
-        params = parameters(config)
-        self.pb = pb_utils
-        self.max_length = _int(params, "max_length", config)
-        self.pad_id = _int(params, "pad_id", config)
-        self.batch_size = _int(params, "batch_size", config)
-        self.max_batch_tokens = _int(params, "max_batch_tokens", config)
-        self.backend = OrtBackend(folder / params.get("onnx_file", "model.onnx"), self.max_length,
+        super().__init__(config, pb_utils)
+        self.batch_size = self.integer("batch_size")
+        self.max_batch_tokens = self.integer("max_batch_tokens")
+        self.backend = OrtBackend(folder / self.params.get("onnx_file", "model.onnx"), self.max_length,
                                   cuda=False, precision="fp32")
         self.outputs = [o["name"] for o in config.get("output", [])]
         self.per_token = {o["name"] for o in config.get("output", [])

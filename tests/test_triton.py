@@ -418,3 +418,23 @@ def test_bucket_length_and_row_lengths():
         triton_models.row_lengths(ids, mask, 3)
     with pytest.raises(ValueError, match="equal"):
         triton_models.row_lengths(ids, mask[:, :3], 4)
+
+
+def test_serve_command_switch_only_and_errors(bundle: Path, tmp_path: Path):
+    """``mbert-run serve`` without a server: --encoder --switch-only, and its one-line errors."""
+    from click.testing import CliRunner
+
+    from mbert.runtime.serve_cli import serve
+
+    write_triton_repository(bundle, make_spec())
+    run = lambda *args: CliRunner().invoke(serve, [str(a) for a in args])  # noqa: E731
+    result = run(bundle, "--encoder", "onnx", "--switch-only")
+    assert result.exit_code == 0, result.output
+    assert "ensemble now routes to the onnx encoder" in result.output
+    assert ensembles(bundle / "triton")["tiny-embed"][-1] == "tiny-embed_onnx"
+    assert "already routes" in run(bundle, "--encoder", "onnx", "--switch-only").output
+    assert run(bundle, "--switch-only").exit_code == 2  # usage error
+    result = run(bundle, "--encoder", "trt", "--switch-only")
+    assert result.exit_code == 1 and "has no model tiny-embed_trt" in result.output
+    result = run(tmp_path, "--switch-only", "--encoder", "python")
+    assert result.exit_code == 1 and "neither a bundle with a triton/ folder" in result.output

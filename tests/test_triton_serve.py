@@ -301,7 +301,7 @@ def test_concurrent_load(served):
 # --- mbert-run serve -----------------------------------------------------------------------------
 
 def test_serve_command_starts_answers_and_stops_on_signal(served):
-    command = [sys.executable, "-c", "from mbert.runtime.serve import serve; serve()", str(served.bundle),
+    command = [sys.executable, "-c", "from mbert.runtime.serve_cli import serve; serve()", str(served.bundle),
                "--encoder", "python", "--ready-timeout", "240"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
