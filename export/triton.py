@@ -17,8 +17,8 @@ Models (``<name>`` is ``spec.name`` with characters other than ``[A-Za-z0-9_.-]`
   every folder of a repository, and a model with no plan would fail to load.
 
 Which encoder the ensemble routes to (``spec.encoder``: ``python``, ``onnx`` or ``trt``) is chosen
-here and switched later without re-exporting: ``mbert-run serve BUNDLE --encoder onnx`` (which
-rewrites the ensemble's second step), or by editing that step's ``model_name`` by hand.
+here and switched later without re-exporting: ``mbert-run serve BUNDLE --encoder onnx
+[--switch-only]`` (rewrites the ensemble's second step), or by editing that ``model_name`` by hand.
 
 Both Python models are two-line shims (``model.py`` from this package's ``triton_model.py``) over
 ``mbert.runtime.triton_models``: Triton's Python environment needs ``mbert-export`` installed (it is
@@ -404,7 +404,8 @@ def _write_ensemble(model_dir: Path, spec: TritonSpec) -> None:
         ]},
     }, ["Ensemble: TEXT -> tokenizer -> encoder. The second step's model_name picks the encoder:",
         f'"{name}_python" (ONNX Runtime in the Python backend, CPU), "{name}_onnx" (ONNX Runtime',
-        f'backend) or "{name}_trt" (TensorRT). Switch with: mbert-run serve BUNDLE --encoder onnx'])
+        f'backend) or "{name}_trt" (TensorRT).',
+        "Switch without re-exporting: mbert-run serve BUNDLE --encoder onnx --switch-only"])
     # an ensemble has no files of its own, but Triton wants a version folder
     (model_dir / "1" / ".keep").write_text("")
 
@@ -486,7 +487,7 @@ def _readme(spec: TritonSpec) -> str:
             "serve` uses the Python it runs in; in a container: `pip install "
             "'mbert-export[cpu]'`).\n\n"
             f"To route the ensemble to another encoder, run `mbert-run serve BUNDLE --encoder "
-            f"onnx|trt|python`, or change `model_name` of the second step in "
+            f"onnx|trt|python --switch-only`, or change `model_name` of the second step in "
             f"`{name}/config.pbtxt` to `{name}_python`, `{name}_onnx` or `{name}_trt`.\n\n"
             f"Batching: the tokenizer pads each request to a length bucket "
             f"({', '.join(map(str, spec.length_buckets))}), so the ONNX Runtime and TensorRT "

@@ -291,7 +291,8 @@ class TritonServer:
         try:
             self.process = subprocess.Popen(self.command(backends), env=self.environment(), stdout=out,
                                             stderr=subprocess.STDOUT if out else None,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=_stop_with_parent)
         finally:
             if out is not None:
                 out.close()
@@ -351,6 +352,16 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when its parent dies, so a killed test run or
+    ``mbert-run serve`` leaves no server behind. (Linux sends it when the *thread* that started the
+    server ends: start servers from a thread that outlives them, as the main thread does.)"""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 def curl_example(server: TritonServer, model: str, output: str = "sentence_embedding") -> str:
