@@ -43,7 +43,8 @@ class TritonEncoder:
             raise ServeError(f"model {self.model!r} on {self.url} does not take TEXT; TritonEncoder "
                              "needs the bundle's ensemble")
         self.max_batch = int(config.get("max_batch_size") or 1)
-        self.output_names = [o["name"] for o in config.get("output", [])]
+        self.output_dims = {o["name"]: [int(d) for d in o.get("dims", [])] for o in config.get("output", [])}
+        self.output_names = list(self.output_dims)
 
     # --- connection ------------------------------------------------------------------------------
     def client(self) -> Any:
@@ -126,7 +127,7 @@ class TritonEncoder:
             result: Any = [row[: int(n)] for row, n in zip(rows, n_tokens)]
         else:
             result = np.concatenate(parts).astype(np.float32, copy=False) if parts else \
-                np.zeros((0, 0), dtype=np.float32)
+                np.zeros([0] + self.output_dims[name], dtype=np.float32)
         stats.total_s = time.perf_counter() - start
         self._local.stats = stats
         return result[0] if single else result

@@ -157,6 +157,9 @@ def test_ensemble_equals_encoder(served, protocol):
     assert cosines(single, served.want).min() >= MIN_COSINE
     small = client.encode(served.texts, batch_size=5)  # requests of 5
     assert client.last_stats.batches == 5 and cosines(small, served.want).min() >= MIN_COSINE
+    assert client.encode([]).shape == (0, served.want.shape[1]) and client.last_stats.batches == 0
+    with pytest.raises(TypeError, match=r"texts\[1\] is bytes"):
+        client.encode(["tea", b"tea"])
 
 
 def test_last_hidden_state_equals_encoder(served):
@@ -170,6 +173,25 @@ def test_last_hidden_state_equals_encoder(served):
     for g, w in zip(got, want):
         assert cosines(g, w).min() >= MIN_COSINE
         np.testing.assert_allclose(g, w, atol=1e-4)
+
+
+# --- the tokenizer's length buckets ---------------------------------------------------------------
+
+def test_tokenizer_pads_requests_to_length_buckets(served):
+    client = http_client(served)
+    texts = ["tea", "The quick brown fox jumps over the lazy dog, " * 2, "word " * 200]
+    want = [e.ids for e in served.encoder.text.encode(texts)]
+    assert [len(w) for w in want] == [4, 23, 203]
+    for rows, bucket in (([0], 16), ([0, 1], 32), ([1, 2], 256)):
+        result = _infer(client, f"{served.name}_tokenizer",
+                        [("TEXT", np.array([[texts[i].encode()] for i in rows], dtype=object), "BYTES")])
+        ids, mask = result.as_numpy("input_ids"), result.as_numpy("attention_mask")
+        assert ids.shape == (len(rows), bucket)
+        for r, i in enumerate(rows):
+            n = len(want[i])
+            assert ids[r, :n].tolist() == want[i] and mask[r].tolist() == [1] * n + [0] * (bucket - n)
+            assert (ids[r, n:] == served.encoder.pad_id).all()
+        assert result.as_numpy("num_tokens").ravel().tolist() == [len(want[i]) for i in rows]
 
 
 # --- bad requests --------------------------------------------------------------------------------
@@ -220,6 +242,8 @@ def test_bad_requests_get_errors_and_the_server_stays_up(served):
     assert result.as_numpy("truncated").ravel().tolist() == [True, False]
     assert cosines(result.as_numpy("sentence_embedding"), want).min() >= MIN_COSINE
     assert truncated_metric(served) == before + 1
+    tokens = _infer(client, f"{name}_tokenizer", [("TEXT", text(long_text.encode()), "BYTES")])
+    assert tokens.as_numpy("input_ids")[0].tolist() == served.encoder.text.encode([long_text])[0].ids
     assert client.is_server_ready()
     # and ordinary requests still work
     again = TritonEncoder(served.server.http_url).encode(served.texts[:3])
