@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -45,6 +46,7 @@ __all__ = ["ServeError", "TritonInstall", "TritonServer", "find_tritonserver", "
            "first_output"]
 
 _counter = itertools.count()
+_ERROR_LINE = re.compile(r"^(E\d{4} |\[libprotobuf ERROR|error: )")
 
 
 class ServeError(MbertError):
@@ -74,7 +76,7 @@ def find_tritonserver() -> TritonInstall:
         if exe.is_file():
             if not stub.is_file():
                 raise ServeError(f"nvidia-pytriton at {root} has no Python backend stub for Python "
-                                  f"{version} ({stub}); use a Python it ships stubs for")
+                                 f"{version} ({stub}); use a Python it ships stubs for")
             libs = root.parent / "nvidia_pytriton.libs"
             return TritonInstall(exe, (libs,) if libs.is_dir() else (), dist / "backends" / "python",
                                  stub, f"nvidia-pytriton ({root})")
@@ -82,7 +84,7 @@ def find_tritonserver() -> TritonInstall:
     if found:
         return TritonInstall(Path(found))
     raise ServeError("no tritonserver found: pip install 'mbert-export[serve]' (nvidia-pytriton "
-                      "ships one), or put NVIDIA's tritonserver on PATH")
+                     "ships one), or put NVIDIA's tritonserver on PATH")
 
 
 def _cache_root() -> Path:
@@ -234,6 +236,7 @@ class TritonServer:
         self.backend_cache, self.extra_args = backend_cache, list(extra_args)
         self._log_arg = log
         self.log_path: Path | None = None
+        self._temporary_log = False
         self.process: subprocess.Popen | None = None
 
     # --- endpoints ---------------------------------------------------------------------------------
@@ -284,7 +287,7 @@ class TritonServer:
             if self._log_arg is None:
                 fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
                 os.close(fd)
-                self.log_path = Path(name)
+                self.log_path, self._temporary_log = Path(name), True
             else:
                 self.log_path = Path(self._log_arg)
             out = open(self.log_path, "wb")
@@ -307,7 +310,7 @@ class TritonServer:
             code = self.process.poll() if self.process else -1
             if code is not None:
                 raise ServeError(f"tritonserver exited with status {code} before it was ready "
-                                  f"(repository {self.repository}):\n{self.log_tail()}")
+                                 f"(repository {self.repository}):\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
                     if response.status == 200:
@@ -317,7 +320,7 @@ class TritonServer:
             if time.monotonic() > deadline:
                 self.stop()
                 raise ServeError(f"tritonserver was not ready after {self.ready_timeout:.0f}s "
-                                  f"(repository {self.repository}):\n{self.log_tail()}")
+                                 f"(repository {self.repository}):\n{self.log_tail()}")
             time.sleep(0.25)
 
     def signal(self, signum: int) -> None:
@@ -337,21 +340,29 @@ class TritonServer:
                 self.process.wait()
         return self.process.returncode
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_tail(self, lines: int = 12) -> str:
+        """Triton's error lines (glog ``E...``, protobuf parse errors, ``error: ...``), then the
+        last ``lines`` lines of its log."""
         if self.log_path is None or not self.log_path.is_file():
             return "(log on the console)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        text = self.log_path.read_text(errors="replace").splitlines()
+        errors = [line for line in text if _ERROR_LINE.match(line)]
+        tail = [line for line in text[-lines:] if line not in errors]
+        return "\n".join(errors + ["..."] + tail)
 
     def __enter__(self) -> "TritonServer":
         self.start()
         try:
             return self.wait_ready()
         except BaseException:
-            self.stop()
+            self.__exit__()
             raise
 
     def __exit__(self, *exc) -> None:
+        """Stop the server; a temporary log goes too (errors raised here carry its tail)."""
         self.stop()
+        if self._temporary_log and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
 
 
 def _stop_with_parent() -> None:

@@ -28,7 +28,7 @@ from mbert.export.texts import calibration_texts
 from mbert.export.triton import TritonSpec, write_triton_repository
 from mbert.modeling.errors import MbertError
 from mbert.runtime import Encoder, TritonEncoder
-from mbert.runtime.serve import ServeError, TritonServer, find_tritonserver
+from mbert.runtime.serve import ServeError, TritonServer, find_tritonserver, prepare_backends
 from mbert.runtime.triton_models import TRUNCATED_METRIC
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
@@ -354,3 +354,26 @@ def test_serve_command_starts_answers_and_stops_on_signal(served):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# --- the launcher's failure paths (no fixture server) ---------------------------------------------
+
+def test_server_that_cannot_start_raises_with_its_log(tmp_path):
+    try:
+        install = find_tritonserver()
+    except ServeError as exc:
+        pytest.skip(str(exc))
+    backends = prepare_backends(install, tmp_path / "backends")
+    assert prepare_backends(install, tmp_path / "backends") == backends  # made once
+    assert (backends / "python" / "triton_python_backend_stub").is_file()
+    assert (backends / "python" / "libtriton_python.so").is_file()
+    repo = tmp_path / "repo"
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "config.pbtxt").write_text('name: "broken"\nbackend: "python"\nmax_batch_sise: 1\n')
+    server = TritonServer(repo, models=["broken"], install=install, backend_cache=tmp_path / "backends",
+                          ready_timeout=120)
+    with pytest.raises(ServeError, match=r"(?s)tritonserver exited with status 1 before it was ready.*"
+                                         r"failed to read text proto"):
+        with server:
+            pass
+    assert server.process.returncode == 1 and not server.log_path.exists()  # temporary log removed
