@@ -151,7 +151,8 @@ def report(args, corpus, lengths, ours, srv, vectors) -> str:
     lines = [f"# Served (Triton) vs in-process throughput on CPU{' (--quick)' if args.quick else ''}", "",
              f"Run {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} on {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} CPUs, Python {platform.python_version()}, mbert-export {export.__version__}, "
-             "tritonserver 2.51.0 (nvidia-pytriton 0.7.0), Python backend only.",
+             "tritonserver 2.51.0 (nvidia-pytriton 0.7.0), Python backend only. Load average at the "
+             f"start: {args.load:.1f} (numbers mean little unless it is near 0).",
              f"Model: {args.model}.",
              f"Corpus: {len(corpus)} texts cut from the built-in calibration set, {capped} tokens "
              f"(lengths {min(lengths)}..{max(lengths)}), max length {args.max_len}.",
@@ -180,7 +181,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     spec = QUICK if args.quick else FULL
-    args.max_len = spec["max_len"]
+    args.max_len, args.load = spec["max_len"], os.getloadavg()[0]
     CACHE.mkdir(parents=True, exist_ok=True)
     if args.quick:
         bundle = quick_bundle()
