@@ -148,7 +148,7 @@ def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod
     """Side files, Triton repository, and the sealed manifest."""
     from mbert.modeling.checkpoint import copy_side_files
 
-    from .triton import repository_for
+    from .triton import record_of, spec_for, write_triton_repository
 
     cfg, resolved = ctx.model.config, ctx.model.source
     copy_side_files(resolved.path, ctx.staging)
@@ -159,8 +159,9 @@ def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod
         labels={str(k): v for k, v in cfg.id2label.items()} or None, model=model_info(cfg),
         max_seq_len=ctx.max_len, io=io, pooling=ctx.pooling, graphs=tuple(graphs),
         precision=fp16.record if fp16 else None, engine=engine.record if engine else None)
-    triton = repository_for(ctx.staging, manifest, max_batch=ctx.options.max_batch)
-    return write(ctx.staging, replace(manifest, triton=triton))
+    spec = spec_for(manifest, max_batch=ctx.options.max_batch, encoder=ctx.options.triton_encoder)
+    write_triton_repository(ctx.staging, spec)
+    return write(ctx.staging, replace(manifest, triton=record_of(spec)))
 
 
 def _tool_versions() -> dict[str, str]:
