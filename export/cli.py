@@ -34,6 +34,9 @@ import click
 @click.option("--split-seq", help="Several engine profiles split at these lengths, e.g. 512,8192.")
 @click.option("--workspace-gib", type=float, default=4.0, show_default=True, help="TensorRT builder workspace.")
 @click.option("--no-engine", is_flag=True, help="With --fp16: skip the TensorRT engine.")
+@click.option("--triton-encoder", type=click.Choice(["python", "onnx", "trt"]), default="python", show_default=True,
+              help="What the Triton ensemble routes to: ONNX Runtime in the Python backend (any Triton), the ONNX "
+                   "Runtime backend, or the TensorRT plan. Switch later with mbert-run serve --encoder.")
 @click.option("--engine-only", "engine_only", type=click.Path(path_type=Path),
               help="Build the TensorRT engine for an existing --fp16 bundle (on a GPU machine), no re-export.")
 @click.option("--random-checkpoint", "random_checkpoint", type=click.Path(path_type=Path),
@@ -43,7 +46,8 @@ import click
               help="With --random-checkpoint: 'base' is the published ModernBERT-base shape, 'tiny' a small one.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibration, margin, max_batch, opt_batch,
-         opt_seq_len, split_seq, workspace_gib, no_engine, engine_only, random_checkpoint, preset, debug):
+         opt_seq_len, split_seq, workspace_gib, no_engine, triton_encoder, engine_only, random_checkpoint, preset,
+         debug):
     """Export a ModernBERT-family checkpoint (hub id or local folder) to a validated bundle.
 
     \b
@@ -81,7 +85,8 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibratio
         options = ExportOptions(out=out, max_seq_len=max_seq_len, opset=opset, overwrite=overwrite, task=task,
                                 fp16=fp16, calibration=calibration, margin=margin, max_batch=max_batch,
                                 opt_batch=opt_batch, opt_seq_len=opt_seq_len, split_seq=split,
-                                workspace_gib=workspace_gib, engine=not no_engine, int8=int8)
+                                workspace_gib=workspace_gib, engine=not no_engine, triton_encoder=triton_encoder,
+                                int8=int8)
         t0 = time.perf_counter()
         result = export_bundle(model, options, report=echo)
         click.echo(summary(result))

@@ -22,7 +22,7 @@ from .transaction import stage_copy, transaction
 def build_for_bundle(bundle: Path, *, max_batch: int, opt_batch=None, opt_seq_len=None, split_seq=None,
                      workspace_gib: float = 4.0, report=lambda e, m: None) -> str:
     from .tensorrt import build_engine, profiles_from, tensorrt_available
-    from .triton import repository_for
+    from .triton import record_of, spec_for, write_triton_repository
 
     bundle = Path(bundle)
     opened = open_bundle(bundle)
@@ -48,5 +48,10 @@ def build_for_bundle(bundle: Path, *, max_batch: int, opt_batch=None, opt_seq_le
         record = replace(record, validation=validate_engine(tmp, cases))
         report("stage", "[3/3] write")
         updated = replace(manifest, engine=record)
-        write(tmp, replace(updated, triton=repository_for(tmp, updated, max_batch=max_batch)))
+        old = manifest.triton
+        spec = spec_for(updated, max_batch=old.max_batch if old else max_batch, encoder=old.encoder if old else "python",
+                        length_buckets=old.length_buckets if old else None,
+                        ensemble_outputs=old.ensemble_outputs if old else None)
+        write_triton_repository(tmp, spec)
+        write(tmp, replace(updated, triton=record_of(spec)))
     return (f"engine written: {bundle / PLAN_FILE} (TensorRT {record.tensorrt_version}, {record.gpu_name})")

@@ -34,6 +34,7 @@ class ExportOptions:
     split_seq: tuple[int, ...] | None = None
     workspace_gib: float = 4.0
     engine: bool = True  # try TensorRT when --fp16
+    triton_encoder: str = "python"  # what the Triton ensemble routes to: python, onnx or trt
     int8: bool = False  # also model.int8.onnx for CPU serving (export/int8_stage.py)
 
     def target(self, source: str | Path) -> Path:
@@ -71,6 +72,10 @@ class ExportOptions:
                 raise OptionError(f"--split-seq must be strictly increasing, got {','.join(map(str, self.split_seq))}")
             if self.max_seq_len is not None and self.split_seq[-1] > self.max_seq_len:
                 raise OptionError(f"--split-seq {self.split_seq[-1]} exceeds --max-seq-len {self.max_seq_len}")
+        if self.triton_encoder not in ("python", "onnx", "trt"):
+            raise OptionError(f"--triton-encoder must be python, onnx or trt, got {self.triton_encoder!r}")
+        if self.triton_encoder == "trt" and not (self.fp16 and self.engine):
+            raise OptionError("--triton-encoder trt routes Triton to the TensorRT plan: it needs --fp16 and an engine")
         if not self.fp16 and any(v is not None for v in (self.opt_batch, self.opt_seq_len, self.split_seq)):
             raise OptionError("--opt-batch, --opt-seq-len and --split-seq shape the TensorRT engine: they apply "
                               "only with --fp16")

@@ -17,7 +17,7 @@ from mbert.runtime import Encoder, check_engine, engine_problems, padded_length
 from mbert.runtime.backends import open_backend
 from mbert.runtime.checks import check_graph_io
 from mbert.runtime.tensorrt import tensorrt_available
-from helpers import LABELS, MAX_LEN, PROMPTS, RUNTIME_TEXTS as TEXTS, cosines, edit_manifest
+from helpers import LABELS, MAX_LEN, RUNTIME_TEXTS as TEXTS
 
 TRT_OK, TRT_REASON = tensorrt_available()
 
