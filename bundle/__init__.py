@@ -25,6 +25,7 @@ from mbert.modeling.config import ModernBertConfig
 
 from .check import cross_check, model_info
 from mbert.modeling.paths import inside
+from .int8 import BlindInt8Record, Int8Check, Int8Record, MatrixPlan, RetrievalRecord
 from .manifest import (FORMAT_VERSION, IO, MANIFEST, EngineRecord, FileEntry, GraphRecord, LayerKindError,
                        Manifest, ModelInfo, PrecisionRecord, Profile, Source, TritonRecord, read, read_raw, write)
 from mbert.modeling.paths import RelPath, check_relpath
@@ -33,6 +34,7 @@ __all__ = [
     "Bundle", "open_bundle", "FORMAT_VERSION", "MANIFEST", "IO", "EngineRecord", "FileEntry", "GraphRecord",
     "LayerKindError", "Manifest", "ModelInfo", "PrecisionRecord", "Profile", "Source", "TritonRecord",
     "RelPath", "check_relpath", "cross_check", "inside", "model_info", "read", "read_raw", "write",
+    "BlindInt8Record", "Int8Check", "Int8Record", "MatrixPlan", "RetrievalRecord",
 ]
 
 

@@ -58,6 +58,8 @@ def cross_check(folder: Path, manifest: Manifest) -> ModernBertConfig:
         problems.append(f"io.inputs are {list(manifest.io.inputs)}, expected {list(input_specs())}")
     if manifest.graph("fp32") is None:
         problems.append("graphs has no fp32 graph")
+    if (manifest.graph("int8") is None) != (manifest.int8 is None):
+        problems.append("an int8 graph and the int8 plan record come together; the manifest has only one of them")
     if problems:
         raise BundleError(f"{folder}: {MANIFEST} does not match the bundle's files: " + "; ".join(problems)
                           + f"; {REEXPORT}")

@@ -22,6 +22,7 @@ from mbert.modeling.graph import TensorSpec
 from mbert.modeling.pooling import PoolingConfig
 
 from . import files as files_mod
+from .int8 import Int8Record
 from .schema import RelPath, from_json, to_json
 from .validation import ValidationReport
 
@@ -179,6 +180,7 @@ class Manifest:
     precision: PrecisionRecord | None = None
     engine: EngineRecord | None = None
     triton: TritonRecord | None = None
+    int8: Int8Record | None = None  # the INT8 plan of model.int8.onnx (--int8)
     files: dict[RelPath, FileEntry] = field(default_factory=dict)
     manifest_sha256: str = ""
 
@@ -199,6 +201,8 @@ class Manifest:
             refs += [("precision.plan", self.precision.plan), ("precision.plot", self.precision.plot)]
         if self.engine is not None:
             refs += [("engine.file", self.engine.file), ("engine.onnx", self.engine.onnx)]
+        if self.int8 is not None:
+            refs += [("int8.plan", self.int8.plan), ("int8.plot", self.int8.plot)]
         return refs
 
     def digest(self) -> str:

@@ -1,4 +1,5 @@
-"""``mbert-export``: checkpoint -> validated bundle (ONNX; with --fp16 also mixed precision, TensorRT, Triton).
+"""``mbert-export``: checkpoint -> validated bundle (ONNX; with --fp16 also mixed precision, TensorRT, Triton;
+with --int8 also a planned dynamic-INT8 graph for CPU serving).
 
 Exit codes: 0 done; 1 bad input or environment (a corrupt checkpoint, a bundle in the way, a
 folder that cannot be written); 2 usage (an unknown option, a value out of range); 3 internal error
@@ -24,6 +25,7 @@ import click
 @click.option("--task", type=click.Choice(["encoder", "masked-lm", "sequence-classification", "token-classification"]),
               help="Override the head chosen from config.json 'architectures' (encoder: hidden states only).")
 @click.option("--fp16", is_flag=True, help="Also scan for FP16 overflow, write a mixed-precision ONNX, build a TensorRT engine.")
+@click.option("--int8", is_flag=True, help="Also plan and validate model.int8.onnx (dynamic INT8, CPU; see README).")
 @click.option("--calibration", type=click.Path(path_type=Path), help="Your own text (one per line, or .jsonl) added to the built-in set.")
 @click.option("--margin", type=float, default=8.0, show_default=True, help="Required FP16 headroom factor; sites above 65504/margin stay FP32.")
 @click.option("--max-batch", type=int, default=32, show_default=True, help="Largest batch of the engine profiles and Triton.")
@@ -43,7 +45,7 @@ import click
 @click.option("--preset", type=click.Choice(["tiny", "base"]), default="tiny", show_default=True,
               help="With --random-checkpoint: 'base' is the published ModernBERT-base shape, 'tiny' a small one.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def main(model, out, max_seq_len, opset, overwrite, task, fp16, calibration, margin, max_batch, opt_batch,
+def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibration, margin, max_batch, opt_batch,
          opt_seq_len, split_seq, workspace_gib, no_engine, triton_encoder, engine_only, random_checkpoint, preset,
          debug):
     """Export a ModernBERT-family checkpoint (hub id or local folder) to a validated bundle.
@@ -51,6 +53,7 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, calibration, mar
     \b
     mbert-export answerdotai/ModernBERT-base            # needs network (or the HF cache)
     mbert-export ./my-checkpoint --fp16 --max-seq-len 2048
+    mbert-export ./my-checkpoint --int8                  # + model.int8.onnx for CPU serving
     mbert-export --engine-only engines/my-checkpoint    # later, on a GPU machine
     mbert-export --random-checkpoint ./random-tiny      # RANDOM weights, to try the tool offline
     """
@@ -82,7 +85,8 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, calibration, mar
         options = ExportOptions(out=out, max_seq_len=max_seq_len, opset=opset, overwrite=overwrite, task=task,
                                 fp16=fp16, calibration=calibration, margin=margin, max_batch=max_batch,
                                 opt_batch=opt_batch, opt_seq_len=opt_seq_len, split_seq=split,
-                                workspace_gib=workspace_gib, engine=not no_engine, triton_encoder=triton_encoder)
+                                workspace_gib=workspace_gib, engine=not no_engine, triton_encoder=triton_encoder,
+                                int8=int8)
         t0 = time.perf_counter()
         result = export_bundle(model, options, report=echo)
         click.echo(summary(result))

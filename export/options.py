@@ -35,6 +35,7 @@ class ExportOptions:
     workspace_gib: float = 4.0
     engine: bool = True  # try TensorRT when --fp16
     triton_encoder: str = "python"  # what the Triton ensemble routes to: python, onnx or trt
+    int8: bool = False  # also model.int8.onnx for CPU serving (export/int8_stage.py)
 
     def target(self, source: str | Path) -> Path:
         """The bundle folder: ``out``, else ``engines/<last part of source>``."""

@@ -1,4 +1,5 @@
-"""The export pipeline: load, trace, validate, [scan, mixed precision, validate FP16, engine], write.
+"""The export pipeline: load, trace, validate, [scan, mixed precision, validate FP16, engine],
+[INT8 sensitivity, plan, blind], write.
 
 :func:`export_bundle` reads as its stages in order. Each stage is a function of one
 :class:`Context`, built by the load stage from options that were checked before any work started;
@@ -24,6 +25,7 @@ from mbert.modeling.random import is_random
 from mbert.modeling.tokenizer import check_token_ids, load_tokenizer
 
 from . import fp16 as fp16_mod
+from . import int8_stage
 from .engine import EngineOutcome, engine_stage
 from .onnx import graph_opset, to_onnx
 from .options import ExportOptions
@@ -61,6 +63,7 @@ class ExportResult:
     timings: dict[str, float]
     fp16: fp16_mod.Fp16Outcome | None = None
     engine_note: str = ""
+    int8: int8_stage.Int8Outcome | None = None
 
 
 class _Stages:
@@ -83,7 +86,7 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
     target = options.target(source)
     check_target(target, options.overwrite)
     texts = calibration_texts() + (load_text_file(options.calibration) if options.calibration else [])
-    stages = _Stages(report, 8 if options.fp16 else 4)
+    stages = _Stages(report, 4 + (4 if options.fp16 else 0) + (3 if options.int8 else 0))
     with transaction(target, options.overwrite, lambda m: report("info", m)) as staging:
         ctx = stages.run("load", load, str(source), options, target, staging, texts)
         if is_random(ctx.model.source.path):
@@ -98,8 +101,14 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
             fp16 = stages.run("validate fp16", fp16_mod.validate_mixed, ctx, scan_report, plan)
             graphs.append(fp16.graph)
             engine = stages.run("engine", engine_stage, staging, target, ctx.max_len, options, ctx.cases)
-        manifest = stages.run("write", write_bundle, ctx, io, graphs, fp16, engine)
-    return ExportResult(target, manifest, stages.timings, fp16, engine.note if engine else "")
+        int8 = None
+        if options.int8:  # independent of --fp16: the CPU path
+            sensitivity = stages.run("int8 sensitivity", int8_stage.sensitivity, ctx)
+            chosen = stages.run("int8 plan", int8_stage.choose, ctx, sensitivity)
+            int8 = stages.run("int8 blind", int8_stage.finish, ctx, chosen)
+            graphs.append(int8.graph)
+        manifest = stages.run("write", write_bundle, ctx, io, graphs, fp16, engine, int8)
+    return ExportResult(target, manifest, stages.timings, fp16, engine.note if engine else "", int8)
 
 
 def load(source: str, options: ExportOptions, target: Path, staging: Path, texts: list[str]) -> Context:
@@ -144,7 +153,7 @@ def validate(ctx: Context) -> GraphRecord:
 
 
 def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod.Fp16Outcome | None,
-                 engine: EngineOutcome | None) -> Manifest:
+                 engine: EngineOutcome | None, int8: int8_stage.Int8Outcome | None = None) -> Manifest:
     """Side files, Triton repository, and the sealed manifest."""
     from mbert.modeling.checkpoint import copy_side_files
 
@@ -158,7 +167,8 @@ def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod
         tool_versions=_tool_versions(), task=cfg.task,
         labels={str(k): v for k, v in cfg.id2label.items()} or None, model=model_info(cfg),
         max_seq_len=ctx.max_len, io=io, pooling=ctx.pooling, graphs=tuple(graphs),
-        precision=fp16.record if fp16 else None, engine=engine.record if engine else None)
+        precision=fp16.record if fp16 else None, engine=engine.record if engine else None,
+        int8=int8.record if int8 else None)
     spec = spec_for(manifest, max_batch=ctx.options.max_batch, encoder=ctx.options.triton_encoder)
     write_triton_repository(ctx.staging, spec)
     return write(ctx.staging, replace(manifest, triton=record_of(spec)))

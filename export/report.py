@@ -1,9 +1,11 @@
 """What ``mbert-export`` prints: stage progress, and the summary of a finished export (files,
-validation of every artifact, the FP16 scan per layer and the decisions of the plan)."""
+validation of every artifact, the FP16 scan per layer and the decisions of the plan, the INT8 plan
+with its retrieval check and the blind quantizations beside it)."""
 from __future__ import annotations
 
 import click
 
+from mbert.bundle.int8 import plan_table, summary_lines
 from mbert.bundle.validation import ValidationReport
 from mbert.runtime.info import table
 
@@ -45,6 +47,10 @@ def summary(result) -> str:
         rows += validation_rows("naive fp16 (reference only)", m.precision.naive_fp16, verdicts=False)
     if m.engine is not None and m.engine.validation is not None:
         rows += validation_rows(m.engine.file, m.engine.validation)
+    if m.int8 is not None:
+        rows += [(a, name, err, cos, f"would {verdict}") for b in m.int8.blind if b.validation is not None
+                 for a, name, err, cos, verdict in validation_rows(f"blind int8, {b.name} (reference only)",
+                                                                    b.validation)]
     parts.append("\nValidation against the eager FP32 model (worst over the real-text grid):")
     parts.append(table(rows, ("artifact", "output", "max abs err", "worst cosine", "verdict")))
     if result.fp16 is not None:
@@ -56,6 +62,11 @@ def summary(result) -> str:
                                            else "none (every site fits FP16 with the margin)"))
     if result.engine_note:
         parts.append("\n" + result.engine_note)
+    if m.int8 is not None:
+        headers, plan_rows = plan_table(m.int8)
+        parts.append("\nINT8 sensitivity plan, per matrix (1 - cosine of each output when it alone runs INT8):")
+        parts.append(table(plan_rows, headers))
+        parts += summary_lines(m.int8)
     return "\n".join(parts)
 
 

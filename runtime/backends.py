@@ -4,7 +4,8 @@
   (FP16 as the plan was built). A TensorRT execution context is not thread-safe: calls are
   serialized with a lock (one context, so GPU memory does not grow with the number of threads).
 * ``onnxruntime-cuda`` / ``onnxruntime-cpu``: ONNX Runtime. On CUDA the mixed-precision
-  ``model.fp16.onnx`` by default, on CPU the FP32 ``model.onnx`` (``precision`` overrides).
+  ``model.fp16.onnx`` by default, on CPU the FP32 ``model.onnx`` (``precision`` overrides);
+  ``precision="int8"`` runs ``model.int8.onnx`` (dynamic INT8, ``--int8``) and only on the CPU.
   ``InferenceSession.run`` is thread-safe, so calls run concurrently.
 * ``eager``: the PyTorch reference (``mbert.modeling.graph.GraphModule`` on the source checkpoint; a
   bundle holds no PyTorch weights). FP32 only. Forward passes of an eval module are thread-safe.
@@ -38,7 +39,7 @@ class Backend(Protocol):
     """What the Encoder needs from a backend."""
 
     name: str  # "tensorrt", "onnxruntime-cuda", "onnxruntime-cpu", "eager"
-    precision: str  # "fp32" or "fp16"
+    precision: str  # "fp32", "fp16" or "int8"
     artifact: str  # the bundle file (or source) it runs
     input_names: list[str]
     output_names: list[str]
@@ -194,7 +195,8 @@ def backend_statuses(bundle: Bundle, source: str | Path | None = None) -> list[B
     try:
         import onnxruntime  # noqa: F401
 
-        out.append(BackendStatus("onnxruntime-cpu", True, f"runs {m.graph('fp32').file} (FP32)"))
+        int8 = f"; {m.graph('int8').file} with precision int8" if m.graph("int8") else ""
+        out.append(BackendStatus("onnxruntime-cpu", True, f"runs {m.graph('fp32').file} (FP32){int8}"))
     except ImportError:
         out.append(BackendStatus("onnxruntime-cpu", False, "onnxruntime is not installed"))
     try:
@@ -218,9 +220,11 @@ def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = Non
                  *, threads: int | None = None, source=None) -> Backend:
     """Load the backend ``backend`` asks for (``auto``: TensorRT, then ONNX Runtime CUDA, then CPU)."""
     name = normalize_name(backend)
-    if precision not in (None, "fp32", "fp16"):
-        raise OptionError(f"precision must be 'fp32' or 'fp16', got {precision!r}")
+    if precision not in (None, "fp32", "fp16", "int8"):
+        raise OptionError(f"precision must be 'fp32', 'fp16' or 'int8', got {precision!r}")
     kind, index = _device(device)
+    if precision == "int8":
+        name = _int8_backend(name, kind)
     m = bundle.manifest
     max_seq = m.max_seq_len
     if name == "auto":
@@ -263,6 +267,16 @@ def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = Non
     checks.check_graph_io(bundle, b.artifact, b.input_names, b.output_names)
     log.info("mbert.runtime: %s runs on %s (%s, %s)", bundle.path.name, b.name, b.artifact, b.precision)
     return b
+
+
+def _int8_backend(name: str, kind: str | None) -> str:
+    """model.int8.onnx runs on ONNX Runtime's CPU integer kernels (the ones it was validated on)."""
+    if name not in ("auto", "onnxruntime", "onnxruntime-cpu"):
+        raise OptionError(f"precision='int8' runs model.int8.onnx on ONNX Runtime CPU; backend {name!r} cannot "
+                          "run it (use backend 'auto', 'onnxruntime' or 'onnxruntime-cpu')")
+    if kind == "cuda":
+        raise OptionError("precision='int8' runs on the CPU; device='cuda' contradicts it")
+    return "onnxruntime-cpu"
 
 
 def _open_tensorrt(bundle: Bundle, precision: str | None, kind: str | None, index: int) -> "TensorRTBackend":

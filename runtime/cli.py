@@ -62,8 +62,9 @@ _backend_opts = [
     click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True,
                  help="auto: TensorRT, then ONNX Runtime CUDA, then ONNX Runtime CPU."),
     click.option("--device", default=None, help="cpu, cuda or cuda:N (default: best available)."),
-    click.option("--precision", type=click.Choice(["fp32", "fp16"]), default=None,
-                 help="ONNX Runtime graph to run (default: fp16 on CUDA when present, fp32 on CPU)."),
+    click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default=None,
+                 help="ONNX Runtime graph to run (default: fp16 on CUDA when present, fp32 on CPU; int8: "
+                 "model.int8.onnx on the CPU)."),
     click.option("--source", default=None, help="Source checkpoint for the eager backend / parity reference "
                  "(default: the path or hub id the manifest records)."),
 ]

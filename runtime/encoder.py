@@ -70,8 +70,9 @@ class Encoder:
 
         ``backend``: ``auto`` (TensorRT, then ONNX Runtime CUDA, then ONNX Runtime CPU), ``tensorrt``,
         ``onnxruntime`` (``-cuda`` / ``-cpu``) or ``eager`` (PyTorch on the source checkpoint, which
-        ``source`` may point to). ``device``: ``cpu``, ``cuda`` or ``cuda:N``. ``precision``: ``fp32`` or
-        ``fp16`` (ONNX Runtime's default is FP16 on CUDA when the bundle has it, FP32 on CPU).
+        ``source`` may point to). ``device``: ``cpu``, ``cuda`` or ``cuda:N``. ``precision``: ``fp32``,
+        ``fp16`` (ONNX Runtime's default is FP16 on CUDA when the bundle has it, FP32 on CPU) or ``int8``
+        (``model.int8.onnx`` of an ``--int8`` export, on ONNX Runtime CPU only).
         A plan built for another GPU architecture or TensorRT version is refused, not skipped
         (BundleError saying what differs): rebuild it, or pass ``backend="onnxruntime"``.
         ``verify=False`` skips hashing the files (the manifest is still cross-checked).

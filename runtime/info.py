@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from mbert.bundle import Bundle
+from mbert.bundle.int8 import plan_table, summary_lines
 
 
 def table(rows, headers) -> str:
@@ -45,9 +46,17 @@ def describe(bundle: Bundle, *, verified: bool, source=None) -> str:
         out.append(f"\nFP16 precision plan (margin {p.margin:g}x, max |x| seen {p.max_abs_seen:.4g}; FP16 max 65504): "
                    f"FP32 layers {list(p.fp32_layers) or 'none'}; details in {p.plan}, {p.plot}")
         out += [f"  {d}" for d in p.decisions]
+    if m.int8 is not None:
+        headers, plan_rows = plan_table(m.int8)
+        out.append("")
+        out += summary_lines(m.int8)
+        out.append(table(plan_rows, headers))
     rows = [(g.file, *r) for g in m.graphs for r in g.validation.table()]
     if m.precision is not None and m.precision.naive_fp16 is not None:
         rows += [("naive fp16 (reference)", *r) for r in m.precision.naive_fp16.table()]
+    if m.int8 is not None:
+        rows += [(f"blind int8, {b.name} (reference)", *r) for b in m.int8.blind if b.validation is not None
+                 for r in b.validation.table()]
     if m.engine is not None and m.engine.validation is not None:
         rows += [(m.engine.file, *r) for r in m.engine.validation.table()]
     out.append("\nValidation at export (against the eager FP32 model):")

@@ -42,13 +42,18 @@ def make_checkpoint(
     tokenizer: bool = True,
     layout: str | None = None,
     scale_layer_mlp: tuple[int, float] | None = None,
+    outlier_channel: tuple[int, int, float] | None = None,
     **overrides,
 ) -> Path:
     """Build a seeded random transformers ModernBERT, save it with ``save_pretrained``, return the folder.
 
     ``overrides`` replace config keys (e.g. ``num_hidden_layers=3``); ``layout`` copies a
     sentence-transformers layout from the fixtures; ``scale_layer_mlp=(i, s)`` multiplies layer
-    i's MLP output matrix by s (to build a checkpoint whose residual stream overflows FP16).
+    i's MLP output matrix by s (to build a checkpoint whose residual stream overflows FP16);
+    ``outlier_channel=(i, c, s)`` gives layer i's ``mlp.Wi`` input an activation outlier channel: the
+    ``mlp_norm`` weight of channel c times s and ``Wi``'s column c divided by s, so the FP32 function is
+    unchanged while a per-tensor INT8 activation scale is stretched s-fold (the GeGLU-input outliers
+    of real checkpoints).
     """
     import transformers
 
@@ -66,6 +71,12 @@ def make_checkpoint(
         encoder = model if arch == "ModernBertModel" else model.model
         with torch.no_grad():
             encoder.layers[layer].mlp.Wo.weight.mul_(scale)
+    if outlier_channel is not None:
+        layer, channel, scale = outlier_channel
+        encoder = model if arch == "ModernBertModel" else model.model
+        with torch.no_grad():
+            encoder.layers[layer].mlp_norm.weight[channel] *= scale
+            encoder.layers[layer].mlp.Wi.weight[:, channel] /= scale
     model = model.to(save_dtype)
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
@@ -125,6 +136,7 @@ def random_batch(lengths: list[int], vocab: int = 50368, seed: int = 0):
 # --- the runtime tests' bundles ------------------------------------------------------------------
 
 MAX_LEN = 128  # bundles are exported at 128 tokens, so ordinary text is truncated and padded
+OUTLIER = (1, 5, 50.0)  # checkpoint("outlier"): layer 1's mlp.Wi input channel 5 fifty times the others
 PROMPTS = {"query": "search_query: ", "document": "search_document: "}
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 RUNTIME_TEXTS = [
@@ -173,6 +185,21 @@ class Bundles:
             self._made[kind] = out
         return self._made[kind]
 
+    def int8(self) -> tuple[Path, str]:
+        """The ``--int8`` bundle of checkpoint("outlier"), exported through the ``mbert-export`` command
+        line (click's CliRunner, in process), and what the command printed."""
+        if "int8" not in self._made:
+            from click.testing import CliRunner
+
+            from mbert.export.cli import main
+
+            out = self.root / "bundle-outlier-int8"
+            result = CliRunner().invoke(main, [str(self.checkpoint("outlier")), "--int8", "--out", str(out),
+                                               "--max-seq-len", str(MAX_LEN)])
+            assert result.exit_code == 0, result.output
+            self._made["int8"], self._int8_output = out, result.stdout
+        return self._made["int8"], self._int8_output
+
     def copy(self, kind: str, dest: Path) -> Path:
         """A private copy of bundle(kind) to tamper with."""
         shutil.copytree(self.bundle(kind), dest)
@@ -199,6 +226,9 @@ class Bundles:
             write_json(folder / "sentence_bert_config.json", {"max_seq_length": MAX_LEN, "do_lower_case": False})
             pool = json.loads((folder / "1_Pooling" / "config.json").read_text())
             write_json(folder / "1_Pooling" / "config.json", dict(pool, include_prompt=False))
+        elif kind == "outlier":  # mean + Normalize; layer 1's mlp.Wi input has an activation outlier channel
+            make_checkpoint(folder, base="gte-modernbert-base", layout="mean-normalize", seed=3,
+                            outlier_channel=OUTLIER, **layers)
         elif kind == "seqcls":
             make_checkpoint(folder, arch="ModernBertForSequenceClassification", seed=3, classifier_pooling="mean",
                             **labels, **head)
