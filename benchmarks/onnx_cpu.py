@@ -187,7 +187,8 @@ def per_head_attention(q, k, v, bias):
 def export_before(model, path: Path) -> None:
     import torch
 
-    from mbert.export.onnx import GraphModule, check_graph
+    from mbert.export.onnx import check_graph
+    from mbert.modeling.graph import GraphModule
 
     graph = GraphModule(model, None).eval()
     ids = torch.zeros((2, 131), dtype=torch.int64)

@@ -39,7 +39,6 @@ import contextlib
 import logging
 import math
 import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -47,6 +46,7 @@ import torch
 from torch import nn
 
 from mbert.modeling.errors import ExportError
+from mbert.modeling.graph import GraphModule, TensorSpec, input_specs
 from mbert.modeling.pooling import PoolingConfig
 
 from .lowering import TARGETS, translation_table
@@ -55,61 +55,9 @@ from .progress import Meter, ProgressFn
 OPSET = 18
 MIN_OPSET = 18  # see the module docstring
 PROTOBUF_LIMIT = 2 * 1024**3  # a single .onnx file cannot exceed 2 GiB: bigger weights go to external data
-INPUT_NAMES = ("input_ids", "attention_mask")
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str
-    shape: tuple[int | str, ...]
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        return d
-
-
-class GraphModule(nn.Module):
-    """What the exported graph computes: the eager model, then pooling; outputs are FP32."""
-
-    def __init__(self, model: nn.Module, pooling: PoolingConfig | None):
-        super().__init__()
-        self.model = model
-        self.task = model.config.task
-        self.pooling = pooling.module() if pooling is not None and self.task == "encoder" else None
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        if self.task != "encoder":
-            return ("logits",)
-        return ("last_hidden_state", "sentence_embedding") if self.pooling is not None else ("last_hidden_state",)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        out = self.model(input_ids, attention_mask)
-        if self.task != "encoder":
-            return out.float()  # logits
-        hidden = out.float()  # [B, T, D]
-        if self.pooling is None:
-            return hidden
-        return hidden, self.pooling(hidden, attention_mask)  # [B, T, D], [B, D']
-
-    def output_specs(self) -> list[TensorSpec]:
-        cfg = self.model.config
-        shapes = {
-            "last_hidden_state": ("batch", "sequence", cfg.hidden_size),
-            "sentence_embedding": ("batch", cfg.hidden_size * (len(self.pooling.modes) if self.pooling else 1)),
-            "logits": {
-                "masked-lm": ("batch", "sequence", cfg.vocab_size),
-                "sequence-classification": ("batch", cfg.num_labels),
-                "token-classification": ("batch", "sequence", cfg.num_labels),
-            }.get(self.task),
-        }
-        return [TensorSpec(n, "float32", shapes[n]) for n in self.output_names]
-
-
-def input_specs() -> list[TensorSpec]:
-    return [TensorSpec(n, "int64", ("batch", "sequence")) for n in INPUT_NAMES]
+# The tracer specializes an axis whose example size is 1 (torch.export's 0/1 specialization): the
+# sequence axis needs an example of at least 2 tokens, and the example cannot exceed the axis' range.
+MIN_SEQ_LEN = 2
 
 
 def _check_target(target: str, opset: int) -> None:
@@ -128,7 +76,7 @@ def export_targets(
     opset: int = OPSET,
     max_seq_len: int | None = None,
     progress: ProgressFn | None = None,
-) -> list[TensorSpec]:
+) -> tuple[TensorSpec, ...]:
     """Trace ``model`` (FP32 or mixed precision) once and write one ONNX file per target.
 
     ``paths``: target -> file. ``tensorrt``: standard ONNX ops only (every runtime loads it);
@@ -141,7 +89,10 @@ def export_targets(
         _check_target(target, opset)
     graph = GraphModule(model, pooling).eval()
     cfg = model.config
-    max_seq_len = max_seq_len or cfg.max_position_embeddings
+    max_seq_len = cfg.max_position_embeddings if max_seq_len is None else max_seq_len
+    if max_seq_len < MIN_SEQ_LEN:
+        raise ExportError(f"max_seq_len {max_seq_len} is below {MIN_SEQ_LEN}: the tracer needs an example of at "
+                          "least 2 tokens to keep the sequence axis dynamic")
     # Example shapes distinct from every static dim, so the tracer cannot confuse them.
     example_len = min(max_seq_len, 2 * cfg.window_half_width + 3)
     ids = torch.full((2, example_len), cfg.pad_token_id, dtype=torch.int64)
@@ -165,7 +116,7 @@ def export_targets(
                     graph if captured is None else captured,
                     (ids.to(device), mask.to(device)) if captured is None else (),
                     None,
-                    input_names=list(INPUT_NAMES),
+                    input_names=[s.name for s in input_specs()],
                     output_names=list(graph.output_names),
                     opset_version=opset,
                     dynamo=True,
@@ -183,6 +134,7 @@ def export_targets(
         program.save(str(path), external_data=external)
         meter.advance(1, f"{target}: saved {path.name}")
         check_graph(path)
+        check_dynamic_axes(path)
         meter.advance(1, f"{target}: checked {path.name}")
     return input_specs() + graph.output_specs()
 
@@ -196,7 +148,7 @@ def to_onnx(
     max_seq_len: int | None = None,
     target: str = "tensorrt",
     progress: ProgressFn | None = None,
-) -> list[TensorSpec]:
+) -> tuple[TensorSpec, ...]:
     """Export ``model`` (FP32 or mixed precision) to ``path`` for ``target``; returns the graph's I/O specs."""
     return export_targets(model, {target: path}, pooling=pooling, opset=opset, max_seq_len=max_seq_len,
                           progress=progress)

@@ -205,7 +205,7 @@ def scan(model: nn.Module, texts_or_batches: Sequence, max_len: int | None = Non
     run_device = next(model.parameters()).device
     batches = list(texts_or_batches)
     if batches and isinstance(batches[0], str):
-        from .validate import load_tokenizer
+        from mbert.modeling.tokenizer import load_tokenizer
 
         max_len = max_len or model.config.max_position_embeddings
         batches = scan_batches(load_tokenizer(model.source.path), batches, max_len)

@@ -13,7 +13,8 @@ from onnx import TensorProto, helper, shape_inference
 
 from helpers import hf_reference, make_checkpoint, random_batch
 from mbert.export.lowering import TARGET_INFO, TARGETS, standard_attention, translation_table
-from mbert.export.onnx import GraphModule, export_targets
+from mbert.export.onnx import export_targets
+from mbert.modeling.graph import GraphModule
 from mbert.export.precision import LayerPlan, Plan, to_mixed_precision
 from mbert.export.validate import onnx_runner
 from mbert.modeling import ExportError, load_model

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mbert.bundle import Profile
 from mbert.export import tensorrt as mtrt
+from mbert.runtime.tensorrt import TensorRTRunner, select_profile
 from mbert.export.tensorrt import (
-    Profile,
     build_engine,
     profiles_from,
-    select_profile,
     tensorrt_available,
 )
 from mbert.modeling.errors import EngineError
@@ -32,7 +32,6 @@ def test_profile_accepts_valid_and_normalises_to_tuples():
     profile = Profile([1, 1], (4, np.int64(128)), (8, 512))
     assert profile.opt == (4, 128) and isinstance(profile.min, tuple)
     assert profile.covers(1, 1) and profile.covers(8, 512) and not profile.covers(9, 10)
-    assert Profile.from_any(profile.as_lists()) == profile
     assert str(profile) == "min=(1, 1) opt=(4, 128) max=(8, 512)"
 
 
@@ -46,8 +45,8 @@ def test_profile_accepts_valid_and_normalises_to_tuples():
     ((True, 1), (2, 2), (3, 3)),       # bool is not a size
     ("11", (2, 2), (3, 3)),
 ])
-def test_profile_validation_raises_engine_error(args):
-    with pytest.raises(EngineError):
+def test_profile_validation_raises_value_error(args):
+    with pytest.raises(ValueError):
         Profile(*args)
 
 
@@ -280,11 +279,9 @@ def test_build_engine_calls(monkeypatch, tmp_path, onnx_file, version, flags):
         for p in profiles]
     assert (tmp_path / "out" / "model.plan").read_bytes() == b"PLAN"
     assert trt.calls["cache_in"] == b"" and cache.read_bytes() == b"+timed"
-    assert info == {
-        "tensorrt_version": version, "gpu_name": "NVIDIA H200", "compute_capability": "9.0",
-        "profiles": [p.as_lists() for p in profiles], "workspace_gib": 0.5,
-        "builder_optimization_level": 5, "build_seconds": info["build_seconds"],
-        "onnx": "model.onnx", "plan": "model.plan", "strongly_typed": True}
+    assert (info.tensorrt_version, info.gpu_name, info.compute_capability) == (version, "NVIDIA H200", "9.0")
+    assert info.profiles == tuple(profiles) and info.workspace_gib == 0.5 and info.builder_optimization_level == 5
+    assert (info.onnx, info.file, info.validation) == ("model.onnx", "model.plan", None)
     build_engine(onnx_file, tmp_path / "out" / "model.plan", profiles, timing_cache_path=cache)
     assert trt.calls["cache_in"] == b"+timed"  # the saved cache is loaded by the next build
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.plan"]
@@ -366,9 +363,9 @@ def test_real_engine_matches_onnxruntime(tmp_path):
     profiles = profiles_from(4, 64, split_seq=[16])
     info = build_engine(tmp_path / "model.onnx", tmp_path / "model.plan", profiles,
                         workspace_gib=0.25, timing_cache_path=tmp_path / "timing.cache")
-    assert info["strongly_typed"] and info["compute_capability"].count(".") == 1
+    assert info.compute_capability.count(".") == 1
     assert (tmp_path / "timing.cache").stat().st_size > 0
-    runner = mtrt.TensorRTRunner(tmp_path / "model.plan")
+    runner = TensorRTRunner(tmp_path / "model.plan")
     assert runner.profiles == profiles
     session = ort.InferenceSession(str(tmp_path / "model.onnx"),
                                    providers=["CPUExecutionProvider"])

@@ -1,0 +1,148 @@
+"""The INT8 stages of the pipeline (``mbert-export --int8``), after the FP32 graph is validated:
+
+* :func:`sensitivity`: each matrix quantized alone, emulated on the calibration rows (plan step 1);
+* :func:`choose`: the emulated combined damage picks a set within budget, ONNX Runtime builds and
+  checks it end to end on the grid and the retrieval check, fewer matrices until one passes (steps 2
+  and 3); the set that passed is ``model.int8.onnx``, its check the graph's validation;
+* :func:`finish`: proof from ONNX Runtime's profiler that integer kernels run, the blind
+  quantizations on the same checks (reported), ``int8.json``, ``int8.png`` and the records.
+
+See :mod:`mbert.export.int8` for the arithmetic and the plan, :mod:`mbert.export.int8_check` for the
+checks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from mbert.bundle import GraphRecord, Int8Record, MatrixPlan
+from mbert.bundle.schema import to_json
+from mbert.bundle.validation import tolerances_for
+from mbert.modeling.errors import ExportError
+
+from .int8 import (S8_7BIT, SOLO_LEN, Reference, SensitivityReport, Selection, Site, budget_for, calibration_batches,
+                   combined_damage, finite_or_none, fp32_reference, matrix_sites, measure, select)
+from .int8_check import GraphCheck, RetrievalSet, blind_reports, check_graph, retrieval_set
+from .int8_graph import integer_matmuls, kernels_run, matrix_nodes, write_int8
+from .onnx import graph_opset
+from .runners import onnx_runner
+
+if TYPE_CHECKING:
+    from .pipeline import Context
+
+INT8_FILE = "model.int8.onnx"
+PLAN_FILE = "int8.json"
+PLOT_FILE = "int8.png"
+FMT = S8_7BIT
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    reference: Reference
+    report: SensitivityReport
+    not_in_graph: tuple[Site, ...]  # matrices model.onnx does not compute as a MatMul with a constant weight
+    seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Chosen:
+    sensitivity: Sensitivity
+    selection: Selection
+    check: GraphCheck  # the end-to-end check of model.int8.onnx (passed)
+    retrieval: RetrievalSet | None
+    graph_info: dict  # quantized nodes and weight format
+    seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Int8Outcome:
+    graph: GraphRecord
+    record: Int8Record
+
+
+def sensitivity(ctx: "Context") -> Sensitivity:
+    t0 = time.perf_counter()
+    graph = ctx.graph
+    in_graph = matrix_nodes(ctx.staging / "model.onnx")
+    sites = [s for s, _ in matrix_sites(ctx.model)]
+    ref = fp32_reference(graph, calibration_batches(ctx.tokenizer, ctx.texts))
+    t1 = time.perf_counter()
+    report = measure(graph, ref, [s for s in sites if s in in_graph], FMT)
+    return Sensitivity(ref, report, tuple(s for s in sites if s not in in_graph),
+                       {"fp32 reference": t1 - t0, "solo": report.seconds})
+
+
+def choose(ctx: "Context", sens: Sensitivity) -> Chosen:
+    """Steps 2 and 3: the largest cheapest-first set within budget that passes end to end."""
+    from mbert.bundle.texts import calibration_texts
+
+    t0 = time.perf_counter()
+    cfg, names = ctx.model.config, ctx.graph.output_names
+    fp32, tolerances = ctx.staging / "model.onnx", tolerances_for("int8", names)
+    # The FP32 side of the retrieval check runs on model.onnx, just validated against the eager model
+    # (cosine >= 0.99999 on the grid) and faster than it on CPU; the grid's references are the eager
+    # model's, already computed for that validation.
+    retrieval = retrieval_set(ctx.tokenizer, calibration_texts(), cfg.cls_token_id, cfg.sep_token_id, ctx.max_len,
+                              onnx_runner(fp32), names)
+    t_ret = time.perf_counter() - t0
+    passed: dict[int, tuple[Path, GraphCheck, dict]] = {}
+    with tempfile.TemporaryDirectory(prefix=".int8-", dir=ctx.staging) as d:
+        def end_to_end(sites: Sequence[Site]) -> tuple[bool, str]:
+            path = Path(d) / f"candidate-{len(sites)}.onnx"
+            info = write_int8(fp32, path, sites, FMT)
+            check = check_graph(INT8_FILE, path, ctx.reference, ctx.cases, tolerances, retrieval, fail_fast=True)
+            if check.passed:
+                passed[len(sites)] = (path, check, info)
+            else:
+                path.unlink()
+            return check.passed, check.detail()
+
+        graph = ctx.graph
+        selection = select(sens.report, budget_for(names), lambda s: combined_damage(graph, sens.reference, s, FMT),
+                           end_to_end)
+        path, check, info = passed[len(selection.chosen)]
+        os.replace(path, ctx.staging / INT8_FILE)
+    return Chosen(sens, selection, check, retrieval, info, {"retrieval reference": t_ret, **selection.seconds})
+
+
+def finish(ctx: "Context", chosen: Chosen) -> Int8Outcome:
+    """Kernels proof, blind quantizations, int8.json, int8.png; the graph and INT8 records."""
+    from .plot import plot_int8
+
+    t0 = time.perf_counter()
+    path, probe = ctx.staging / INT8_FILE, ctx.cases[0]
+    kernels = kernels_run(path, probe.input_ids, probe.attention_mask)
+    ran, want = integer_matmuls(kernels), len(chosen.selection.chosen)
+    if ran < want:
+        raise ExportError(f"{INT8_FILE}: ONNX Runtime's profiler saw {ran} integer matrix products for {want} "
+                          f"quantized matrices (kernels: {kernels})")
+    names = ctx.graph.output_names
+    blind = blind_reports(ctx.staging / "model.onnx", ctx.reference, ctx.cases, tolerances_for("int8", names),
+                          chosen.retrieval)
+    sens, sel = chosen.sensitivity, chosen.selection
+    report = sens.report
+    matrices = sel.matrices + tuple(_not_in_graph(s) for s in sens.not_in_graph)
+    calibration = (f"{report.rows} calibration rows x {SOLO_LEN} tokens, one batch, "
+                   f"{report.fmt} weights")
+    seconds = {**sens.seconds, **chosen.seconds, "kernels and blind": time.perf_counter() - t0}
+    record = Int8Record(
+        plan=PLAN_FILE, plot=PLOT_FILE, weight_format=report.fmt, budget=budget_for(names), calibration=calibration,
+        matrices=matrices, combined_damage={k: finite_or_none(v) for k, v in sel.combined.items()}, checks=sel.checks,
+        retrieval=chosen.check.retrieval, integer_kernels=ran, blind=blind,
+        seconds={k: round(v, 2) for k, v in seconds.items()})
+    details = {"record": to_json(record), "graph": dict(chosen.graph_info, kernels=kernels),
+               "weight_format_note": FMT.note}
+    (ctx.staging / PLAN_FILE).write_text(json.dumps(details, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    plot_int8(matrices, record.budget, calibration, ctx.staging / PLOT_FILE)
+    graph = GraphRecord(INT8_FILE, "int8", ("onnxruntime",), graph_opset(path), chosen.check.validation)
+    return Int8Outcome(graph, record)
+
+
+def _not_in_graph(site: Site) -> MatrixPlan:
+    return MatrixPlan(site.name, site.layer, site.module, {}, "fp32",
+                      "not a MatMul with a constant weight in model.onnx (ONNX Runtime's quantizer cannot take it)")
