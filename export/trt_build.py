@@ -39,7 +39,7 @@ from mbert.runtime.trt_family import (
 from mbert.runtime.trt_profiles import Profile
 from mbert.runtime.trt_record import BuilderOptions, EngineRecord
 
-__all__ = ["ParsedNetwork", "parse_onnx", "build_engine", "build_parsed", "build_log_text", "tensorrt_verdict",
+__all__ = ["ParsedNetwork", "network_flags", "parse_onnx", "build_engine", "build_parsed", "build_log_text", "tensorrt_verdict",
            "BUILD_LOG_TOPICS"]
 
 # Builder log lines worth keeping beside the plan (besides every warning and error): what the
@@ -66,6 +66,14 @@ class ParsedNetwork:
         return str(self.trt.__version__)
 
 
+def network_flags(trt: Any, family: str) -> int:
+    """``create_network`` flags: STRONGLY_TYPED (by name: its value differs between releases) on
+    datacenter TensorRT 10.x; 0 on 11.x and TensorRT-RTX, which are always strongly typed."""
+    if family == "tensorrt" and str(trt.__version__).startswith("10."):
+        return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    return 0
+
+
 def parse_onnx(onnx_path: str | Path, family: str) -> ParsedNetwork:
     """Parse ``onnx_path`` with ``family``'s ONNX parser into a strongly typed network (no GPU needed
     for TensorRT-RTX). EngineError with every parser error, verbatim, on failure."""
@@ -78,10 +86,7 @@ def parse_onnx(onnx_path: str | Path, family: str) -> ParsedNetwork:
         builder = trt.Builder(logger)
     except Exception as exc:  # noqa: BLE001 - "CUDA initialization failure" surfaces as various types
         raise EngineError(f"cannot start the {LABELS[family]} builder (no CUDA GPU?): {one_line(exc)}") from exc
-    flags = 0
-    if family == "tensorrt" and str(trt.__version__).startswith("10."):
-        flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)  # by name: 11.x numbers differ
-    network = builder.create_network(flags)
+    network = builder.create_network(network_flags(trt, family))
     parser = trt.OnnxParser(network, logger)
     with logger.capture(4) as log:
         ok = parser.parse_from_file(str(onnx_path))
@@ -90,6 +95,9 @@ def parse_onnx(onnx_path: str | Path, family: str) -> ParsedNetwork:
         errors = errors or [m for s, m in log if s <= 1] or ["no error reported"]
         raise EngineError(f"{LABELS[family]}'s ONNX parser rejected {onnx_path} ({len(errors)} error(s)): "
                           + " | ".join(errors))
+    if network.num_outputs == 0:  # the parser accepts some non-ONNX bytes as an empty model
+        raise EngineError(f"{LABELS[family]}'s ONNX parser rejected {onnx_path}: it holds no graph outputs "
+                          "(not an ONNX model?)")
     return ParsedNetwork(trt, family, builder, network, parser, list(log))
 
 
@@ -209,7 +217,7 @@ def build_parsed(parsed: ParsedNetwork, onnx_path: str | Path, plan_path: str | 
 
 def _not_run_reason(record: EngineRecord, gpu: Gpu | None) -> str:
     if gpu is None:
-        return "built on a machine without a CUDA GPU; runs on " + record.runs_on()
+        return "built on a machine without a CUDA GPU"
     ok, problems = can_run(record, gpu)
     return "not run yet (this GPU can run it)" if ok else f"cannot run on this machine's {gpu}: " + "; ".join(problems)
 

@@ -1,29 +1,30 @@
-"""mbert.export.tensorrt: profile logic (pure Python), build_engine's use of the TensorRT API
-(against a stand-in module that follows the documented 10.x / 11.x Python API), and real engine
-builds compared with ONNX Runtime where TensorRT and a GPU are present."""
+"""TensorRT, the parts that need no builder: optimization profiles, family detection and version
+gates, the engine record (JSON round trip and validation) and the compatibility rules of both
+families as functions of the record and the machine. Real builds: ``test_tensorrt_build.py``; the
+precision walk: ``test_tensorrt_precision.py``."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import subprocess
 import sys
-import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mbert.export import tensorrt as mtrt
-from mbert.export.tensorrt import (
-    Profile,
-    build_engine,
-    profiles_from,
-    select_profile,
-    tensorrt_available,
+from mbert.export.tensorrt import Profile, profiles_from, select_profile, tensorrt_available
+from mbert.modeling.errors import BundleError, EngineError
+from mbert.runtime.trt_compat import PORTABLE_CAPABILITIES, can_run, engine_compatibility
+from mbert.runtime.trt_family import (
+    Gpu, builder_available, parse_capability, resolve_family, runtime_version, version_problem,
 )
-from mbert.modeling.errors import EngineError
+from mbert.runtime.trt_record import (
+    STATUS_FAILED, STATUS_NOT_RUN, STATUS_VALIDATED, BuilderOptions, EngineRecord, Validation,
+)
 
-TRT_OK, TRT_REASON = tensorrt_available()
-HIDDEN = 8
+DATACENTER_INSTALLED = importlib.util.find_spec("tensorrt") is not None
+SHA = "ab" * 32
 
 
 # --- Profile / profiles_from / select_profile ------------------------------------------------
@@ -96,298 +97,184 @@ def test_select_profile_names_shape_and_profiles():
         select_profile(profiles, 5, 10)
 
 
-# --- availability and lazy import -----------------------------------------------------------
+# --- families, version gates, availability -------------------------------------------------------
 
-def test_tensorrt_available_gives_a_one_line_reason():
-    assert isinstance(TRT_OK, bool)
-    if TRT_OK:
-        assert TRT_REASON == ""
-        return
-    assert TRT_REASON and "\n" not in TRT_REASON
-    if importlib.util.find_spec("tensorrt") is None:
-        assert TRT_REASON.startswith(
-            "tensorrt is not installed (pip install 'mbert-export[tensorrt]'")
-        with pytest.raises(EngineError, match="tensorrt is not installed"):
-            build_engine("model.onnx", "model.plan", profiles_from(1, 8))
+@pytest.mark.parametrize("family, version, problem", [
+    ("tensorrt", "10.12.0.36", None), ("tensorrt", "10.16.1", None), ("tensorrt", "11.1.0.7", None),
+    ("tensorrt", "10.11.0", "too old: 10.12"), ("tensorrt", "8.6.1", "too old"),
+    ("tensorrt", "12.0.0", "newer than this project supports"), ("tensorrt-rtx", "1.7.1.116", None),
+    ("tensorrt-rtx", "1.9.0", None), ("tensorrt-rtx", "1.6.0", "too old: 1.7"),
+    ("tensorrt-rtx", "2.0.0", "newer than"), ("tensorrt-rtx", "dev", "unrecognised"),
+])
+def test_version_gates(family, version, problem):
+    got = version_problem(family, version)
+    assert got is None if problem is None else problem in got
+    with pytest.raises(EngineError, match="unknown TensorRT family 'trt'"):
+        version_problem("trt", "10.12")
 
 
-def test_module_import_does_not_import_tensorrt():
-    code = "import sys, mbert.export.tensorrt; print('tensorrt' in sys.modules)"
+def test_tensorrt_rtx_builder_is_available_without_a_gpu():
+    import tensorrt_rtx
+
+    found = builder_available("tensorrt-rtx")
+    assert found.ok and found.version == tensorrt_rtx.__version__ == "1.7.1.116"
+    assert str(found) == "TensorRT-RTX 1.7.1.116"
+
+
+@pytest.mark.skipif(DATACENTER_INSTALLED, reason="datacenter TensorRT is installed here")
+def test_auto_picks_the_installed_builder_and_says_which():
+    missing = builder_available("tensorrt")
+    assert not missing.ok and missing.reason.startswith("tensorrt is not installed (pip install 'mbert-export[tensorrt]'")
+    assert runtime_version("tensorrt").reason == missing.reason and "\n" not in missing.reason
+    assert resolve_family("auto").family == "tensorrt-rtx"
+    assert tensorrt_available() == (False, missing.reason)  # the previous pipeline's gate: datacenter only
+    with pytest.raises(EngineError, match=r"no TensorRT builder can run here: TensorRT: tensorrt is not installed"):
+        resolve_family("tensorrt")
+    with pytest.raises(EngineError, match="--engine must be one of auto, tensorrt, tensorrt-rtx"):
+        resolve_family("trt")
+
+
+def test_importing_the_modules_does_not_import_tensorrt():
+    code = ("import sys, mbert.export.tensorrt, mbert.export.trt_build, mbert.runtime.trt_compat, "
+            "mbert.runtime.trt_runner; print(sorted(m for m in ('tensorrt', 'tensorrt_rtx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "[]"
 
 
-# --- build_engine against a stand-in for the documented TensorRT Python API ------------------
-
-def fake_tensorrt(version: str, *, parse_errors=(), build_error: str | None = None):
-    """Just the calls build_engine makes, with the documented names and signatures."""
-    trt = types.ModuleType("tensorrt")
-    trt.__version__ = version
-    trt.calls = calls = {}
-
-    class ILogger:
-        def __init__(self):
-            pass
-
-    class Logger(ILogger):
-        ERROR, WARNING = 1, 2
-
-        def __init__(self, min_severity=2):
-            super().__init__()
-
-    class Flag:  # enum members by name; 10.x value of STRONGLY_TYPED is 1, 11.x has no use for it
-        STRONGLY_TYPED = 1 if version.startswith("10.") else 0
-
-    class Tensor:
-        def __init__(self, name):
-            self.name, self.shape = name, (-1, -1)
-
-    class Network:
-        def __init__(self, flags):
-            calls["network_flags"] = flags
-            self.inputs = []
-            self.num_inputs = 0
-
-        def get_input(self, i):
-            return self.inputs[i]
-
-    class ParserError:
-        def __init__(self, node, op, desc):
-            self._node, self._op, self._desc = node, op, desc
-
-        def node_name(self):
-            return self._node
-
-        def node_operator(self):
-            return self._op
-
-        def code(self):
-            return "UNSUPPORTED_NODE"
-
-        def desc(self):
-            return self._desc
-
-    class OnnxParser:
-        def __init__(self, network, logger):
-            self.network, self.errors = network, [ParserError(*e) for e in parse_errors]
-
-        def parse_from_file(self, model):
-            calls["parsed"] = model
-            self.network.inputs = [Tensor("input_ids"), Tensor("attention_mask")]
-            self.network.num_inputs = 2
-            return not self.errors
-
-        @property
-        def num_errors(self):
-            return len(self.errors)
-
-        def get_error(self, index):
-            return self.errors[index]
-
-    class OptimizationProfile:
-        def __init__(self):
-            self.shapes = {}
-
-        def set_shape(self, name, min, opt, max):  # noqa: A002 - TensorRT's keyword names
-            self.shapes[name] = (tuple(min), tuple(opt), tuple(max))
-
-    class TimingCache:
-        def __init__(self, data):
-            self.data = bytes(data)
-
-        def serialize(self):
-            return self.data + b"+timed"
-
-    class Config:
-        def __init__(self):
-            self.builder_optimization_level = 3
-            calls["profiles"], calls["cleared"] = [], []
-
-        def set_memory_pool_limit(self, pool, size):
-            calls["pool"] = (pool, size)
-
-        def clear_flag(self, flag):
-            calls["cleared"].append(flag)
-
-        def add_optimization_profile(self, profile):
-            calls["profiles"].append(profile.shapes)
-            return len(calls["profiles"]) - 1
-
-        def create_timing_cache(self, serialized_timing_cache):
-            calls["cache_in"] = bytes(serialized_timing_cache)
-            return TimingCache(serialized_timing_cache)
-
-        def set_timing_cache(self, cache, ignore_mismatch):
-            self.cache = cache
-            return True
-
-        def get_timing_cache(self):
-            return self.cache
-
-    class Builder:
-        def __init__(self, logger):
-            self.logger = logger
-
-        def create_network(self, flags=0):
-            return Network(flags)
-
-        def create_builder_config(self):
-            return Config()
-
-        def create_optimization_profile(self):
-            return OptimizationProfile()
-
-        def build_serialized_network(self, network, config):
-            calls["opt_level"] = config.builder_optimization_level
-            if build_error:
-                self.logger.log(1, build_error)
-                return None
-            return b"PLAN"
-
-    trt.ILogger, trt.Logger, trt.Builder, trt.OnnxParser = ILogger, Logger, Builder, OnnxParser
-    trt.NetworkDefinitionCreationFlag = Flag
-    trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
-    trt.BuilderFlag = types.SimpleNamespace(TF32="TF32")
-    return trt
+@pytest.mark.parametrize("text, want", [("8.6", (8, 6)), ("12.0", (12, 0)), (" 7.5", (7, 5))])
+def test_parse_capability(text, want):
+    assert parse_capability(text) == want
 
 
-@pytest.fixture
-def onnx_file(tmp_path: Path) -> Path:
-    path = tmp_path / "model.onnx"
-    path.write_bytes(b"onnx stand-in")
-    return path
+@pytest.mark.parametrize("text", ["86", "8.6.1", "sm_86", "", "8.x"])
+def test_parse_capability_rejects(text):
+    with pytest.raises(EngineError, match="not a compute capability"):
+        parse_capability(text)
 
 
-def install(monkeypatch, trt):
-    monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setattr(mtrt, "_gpu_info", lambda: ("NVIDIA H200", "9.0"))
+# --- the engine record ------------------------------------------------------------------------------
+
+def rtx_record(**changes) -> EngineRecord:
+    base = EngineRecord(
+        family="tensorrt-rtx", version="1.7.1.116", plan="model.plan", onnx="model.fp16.onnx", plan_sha256=SHA,
+        plan_bytes=1234, profiles=tuple(profiles_from(8, 512, split_seq=[128])), targets=("8.6",), built_on=None,
+        options=BuilderOptions(), build_seconds=3.5, not_run_reason="built on a machine without a CUDA GPU",
+        build_log="tensorrt_build.log")
+    return dataclasses.replace(base, **changes)
 
 
-@pytest.mark.parametrize("version, flags", [("10.13.3.9", 1 << 1), ("11.1.0.7", 0)])
-def test_build_engine_calls(monkeypatch, tmp_path, onnx_file, version, flags):
-    trt = fake_tensorrt(version)
-    install(monkeypatch, trt)
-    profiles = profiles_from(8, 64, split_seq=[16])
-    cache = tmp_path / "timing.cache"
-    info = build_engine(onnx_file, tmp_path / "out" / "model.plan", profiles, workspace_gib=0.5,
-                        timing_cache_path=cache, builder_optimization_level=5)
-    assert trt.calls["network_flags"] == flags  # STRONGLY_TYPED on 10.x only
-    assert trt.calls["parsed"] == str(onnx_file)
-    assert trt.calls["pool"] == ("WORKSPACE", 1 << 29)
-    assert trt.calls["cleared"] == ["TF32"] and trt.calls["opt_level"] == 5
-    assert trt.calls["profiles"] == [
-        {name: (p.min, p.opt, p.max) for name in ("input_ids", "attention_mask")}
-        for p in profiles]
-    assert (tmp_path / "out" / "model.plan").read_bytes() == b"PLAN"
-    assert trt.calls["cache_in"] == b"" and cache.read_bytes() == b"+timed"
-    assert info == {
-        "tensorrt_version": version, "gpu_name": "NVIDIA H200", "compute_capability": "9.0",
-        "profiles": [p.as_lists() for p in profiles], "workspace_gib": 0.5,
-        "builder_optimization_level": 5, "build_seconds": info["build_seconds"],
-        "onnx": "model.onnx", "plan": "model.plan", "strongly_typed": True}
-    build_engine(onnx_file, tmp_path / "out" / "model.plan", profiles, timing_cache_path=cache)
-    assert trt.calls["cache_in"] == b"+timed"  # the saved cache is loaded by the next build
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.plan"]
+def datacenter_record(**changes) -> EngineRecord:
+    base = EngineRecord(
+        family="tensorrt", version="10.13.3.9", plan="model.plan", onnx="model.fp16.onnx", plan_sha256=SHA,
+        plan_bytes=99, profiles=(Profile((1, 1), (4, 128), (8, 512)),), targets=(),
+        built_on=Gpu("NVIDIA H100 80GB HBM3", "9.0"), options=BuilderOptions(timing_cache=True), build_seconds=20.0)
+    return dataclasses.replace(base, **changes)
 
 
-def test_build_engine_collects_every_parser_error(monkeypatch, tmp_path, onnx_file):
-    install(monkeypatch, fake_tensorrt("10.13.0", parse_errors=[
-        ("/layers.0/attn/Attention", "Attention", "unsupported attribute"),
-        ("/head/Erf", "Erf", "no implementation for INT64")]))
-    with pytest.raises(EngineError) as info:
-        build_engine(onnx_file, tmp_path / "model.plan", profiles_from(1, 8))
-    message = str(info.value)
-    assert "(2 error(s))" in message and "\n" not in message
-    assert "[/layers.0/attn/Attention Attention] UNSUPPORTED_NODE: unsupported attribute" in message
-    assert "[/head/Erf Erf] UNSUPPORTED_NODE: no implementation for INT64" in message
-    assert not (tmp_path / "model.plan").exists()
+def test_record_round_trips_through_json():
+    for record in (rtx_record(), datacenter_record(),
+                   rtx_record(validations=(Validation(Gpu("NVIDIA GeForce RTX 3090", "8.6"), "1.7.1.116", True,
+                                                      "parity grid: 24 cases passed"),))):
+        text = json.dumps(record.to_dict())
+        assert EngineRecord.from_dict(json.loads(text)) == record
+    d = rtx_record().to_dict()
+    assert d["status"] == STATUS_NOT_RUN and d["targets"] == ["8.6"] and d["built_on"] is None
+    assert d["profiles"][1] == {"min": [1, 129], "opt": [4, 512], "max": [8, 512]}
 
 
-def test_failed_build_reports_log_and_keeps_old_plan(monkeypatch, tmp_path, onnx_file):
-    install(monkeypatch, fake_tensorrt("10.13.0", build_error="Error Code 2: out of memory"))
-    plan = tmp_path / "model.plan"
-    plan.write_bytes(b"previous")
-    with pytest.raises(EngineError, match="out of memory"):
-        build_engine(onnx_file, plan, profiles_from(1, 8))
-    assert plan.read_bytes() == b"previous"
-    assert [p.name for p in tmp_path.iterdir()] and not list(tmp_path.glob(".model.plan.*"))
+def test_status_follows_validations():
+    gpu = Gpu("NVIDIA GeForce RTX 3090", "8.6")
+    record = rtx_record()
+    assert record.status == STATUS_NOT_RUN and record.validated_on == ()
+    assert "built, not yet run (built on a machine without a CUDA GPU)" in record.summary()
+    ok = record.with_validation(Validation(gpu, "1.7.1.116", True, "passed"))
+    assert ok.status == STATUS_VALIDATED and ok.validated_on == (gpu,) and "validated on NVIDIA GeForce RTX 3090" in ok.summary()
+    assert ok.with_validation(Validation(gpu, "1.7.1.116", False, "cosine 0.93")).status == STATUS_FAILED
+    assert "runs on GPUs of compute capability 8.6 with TensorRT-RTX 1.7.1.116" in record.summary()
+    assert "any Ampere or newer" in datacenter_record(options=BuilderOptions(hardware_compatible=True)).runs_on()
+    assert "9.0 (NVIDIA H100 80GB HBM3)" in datacenter_record().runs_on()
 
 
-def test_build_engine_argument_errors(monkeypatch, tmp_path, onnx_file):
-    install(monkeypatch, fake_tensorrt("10.13.0"))
-    with pytest.raises(EngineError, match="at least one"):
-        build_engine(onnx_file, tmp_path / "p", [])
-    with pytest.raises(EngineError, match="not found"):
-        build_engine(tmp_path / "missing.onnx", tmp_path / "p", profiles_from(1, 8))
-    with pytest.raises(EngineError, match="log_level"):
-        build_engine(onnx_file, tmp_path / "p", profiles_from(1, 8), log_level="loud")
-    install(monkeypatch, fake_tensorrt("8.6.1"))
-    with pytest.raises(EngineError, match="too old"):
-        build_engine(onnx_file, tmp_path / "p", profiles_from(1, 8))
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("family"), "engine record: family is missing"),
+    (lambda d: d.update(family="trt"), "family must be one of tensorrt, tensorrt-rtx, got 'trt'"),
+    (lambda d: d.update(version=10), "version must be str, got 10"),
+    (lambda d: d.update(plan="../model.plan"), "plan must be a plain file name inside the bundle"),
+    (lambda d: d.update(plan_sha256="xyz"), "plan_sha256 must be 64 lowercase hex digits"),
+    (lambda d: d.update(plan_bytes=True), "plan_bytes must be int, got True"),
+    (lambda d: d.update(profiles=[]), "profiles must be a non-empty tuple"),
+    (lambda d: d["profiles"][0].update(min=[0, 1]), r"profiles\[0\] profile batch sizes"),
+    (lambda d: d.update(targets=["86"]), "targets: not a compute capability: '86'"),
+    (lambda d: d.update(targets=[]), "must list its target compute capabilities"),
+    (lambda d: d.update(built_on={"name": "x"}), "built_on.compute_capability is missing"),
+    (lambda d: d["options"].update(workspace_gib=-1), "options workspace_gib must be a positive number"),
+    (lambda d: d["options"].update(timing_cache=True), "hardware_compatible and timing_cache are datacenter"),
+    (lambda d: d["options"].pop("tf32"), "options.tf32 is missing"),
+    (lambda d: d.update(status="validated"), "status is 'validated' but the validations say 'built, not yet run'"),
+    (lambda d: d.update(validations=[{"gpu": {"name": "g", "compute_capability": "8.6"}, "version": "1",
+                                      "passed": "yes", "summary": ""}]), r"validations\[0\].passed must be bool"),
+    (lambda d: d.update(sha256=SHA), r"has unknown key\(s\) \['sha256'\]"),
+])
+def test_record_from_dict_names_the_bad_key(edit, message):
+    d = rtx_record().to_dict()
+    edit(d)
+    with pytest.raises(BundleError, match=message):
+        EngineRecord.from_dict(d)
 
 
-# --- real engines (TensorRT + CUDA GPU only) -------------------------------------------------
-
-needs_trt = pytest.mark.skipif(not TRT_OK, reason=TRT_REASON or "TensorRT available")
-
-
-def tiny_onnx(path: Path) -> None:
-    """Embedding lookup masked by attention_mask, plus its mean over the sequence."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    table = np.random.default_rng(0).standard_normal((64, HIDDEN)).astype(np.float32)
-    ids = ["batch", "sequence"]
-    graph = helper.make_graph(
-        [helper.make_node("Gather", ["table", "input_ids"], ["emb"]),
-         helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=TensorProto.FLOAT),
-         helper.make_node("Unsqueeze", ["mask_f", "last_axis"], ["mask_3d"]),
-         helper.make_node("Mul", ["emb", "mask_3d"], ["last_hidden_state"]),
-         helper.make_node("ReduceMean", ["last_hidden_state"], ["sentence_embedding"],
-                          axes=[1], keepdims=0)],
-        "tiny",
-        [helper.make_tensor_value_info(n, TensorProto.INT64, ids)
-         for n in ("input_ids", "attention_mask")],
-        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ids + [HIDDEN]),
-         helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT,
-                                       ["batch", HIDDEN])],
-        [numpy_helper.from_array(table, "table"),
-         numpy_helper.from_array(np.array([-1], dtype=np.int64), "last_axis")])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+def test_datacenter_record_rules():
+    d = datacenter_record().to_dict()
+    assert EngineRecord.from_dict(d) == datacenter_record()
+    with pytest.raises(BundleError, match="must record the GPU it was built on"):
+        EngineRecord.from_dict(dict(d, built_on=None))
+    with pytest.raises(BundleError, match="targets are for TensorRT-RTX"):
+        EngineRecord.from_dict(dict(d, targets=["9.0"]))
+    with pytest.raises(EngineError, match="invalid engine record: family must be one of"):
+        datacenter_record(family="onnxruntime")
 
 
-@needs_trt
-def test_real_engine_matches_onnxruntime(tmp_path):
-    ort = pytest.importorskip("onnxruntime")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device for the runner's buffers")
-    tiny_onnx(tmp_path / "model.onnx")
-    profiles = profiles_from(4, 64, split_seq=[16])
-    info = build_engine(tmp_path / "model.onnx", tmp_path / "model.plan", profiles,
-                        workspace_gib=0.25, timing_cache_path=tmp_path / "timing.cache")
-    assert info["strongly_typed"] and info["compute_capability"].count(".") == 1
-    assert (tmp_path / "timing.cache").stat().st_size > 0
-    runner = mtrt.TensorRTRunner(tmp_path / "model.plan")
-    assert runner.profiles == profiles
-    session = ort.InferenceSession(str(tmp_path / "model.onnx"),
-                                   providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(1)
-    for batch, seq in ((2, 10), (3, 40), (1, 16), (4, 17), (2, 10)):  # switches profiles
-        ids = rng.integers(0, 64, (batch, seq), dtype=np.int64)
-        mask = np.ones_like(ids)
-        mask[0, seq // 2:] = 0
-        got = runner.run(input_ids=ids, attention_mask=mask)
-        want = session.run(None, {"input_ids": ids, "attention_mask": mask})
-        np.testing.assert_allclose(got["last_hidden_state"], want[0], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got["sentence_embedding"], want[1], rtol=1e-5, atol=1e-6)
-    with pytest.raises(EngineError, match=r"no optimization profile covers .*batch=5"):
-        runner.run(input_ids=np.zeros((5, 8), np.int64), attention_mask=np.ones((5, 8), np.int64))
+# --- compatibility rules ----------------------------------------------------------------------------
+
+def test_rtx_plan_for_8_6_is_refused_elsewhere_and_accepted_on_8_6():
+    record = rtx_record(targets=("8.6",))
+    assert engine_compatibility(record, family_version="1.7.1.116", compute_capability="8.6") == []
+    (cc,) = engine_compatibility(record, family_version="1.7.1.116", compute_capability="8.9")
+    assert cc == "GPU compute capability 8.9 is not among the plan's targets (8.6)"
+    assert "not among" in engine_compatibility(record, family_version="1.7.1.116", compute_capability="9.0")[0]
+    (ver,) = engine_compatibility(record, family_version="1.8.0.1", compute_capability="8.6")
+    assert "TensorRT-RTX version: the plan was built with 1.7.1.116, this machine has 1.8.0.1" in ver
+    assert engine_compatibility(record, family_version=None, compute_capability=None) == [
+        "TensorRT-RTX is not installed (pip install 'mbert-export[tensorrt-rtx]')", "no CUDA GPU"]
+    portable = rtx_record(targets=PORTABLE_CAPABILITIES)
+    for cc in ("8.0", "8.6", "8.9", "12.0"):
+        assert engine_compatibility(portable, family_version="1.7.1.116", compute_capability=cc) == []
+    for cc in ("7.5", "9.0", "10.0", "12.1"):
+        assert engine_compatibility(portable, family_version="1.7.1.116", compute_capability=cc)
 
 
-@needs_trt
-def test_real_parser_error_is_engine_error(tmp_path):
-    bad = tmp_path / "bad.onnx"
-    bad.write_bytes(b"this is not an onnx protobuf")
-    with pytest.raises(EngineError, match="ONNX parser rejected"):
-        build_engine(bad, tmp_path / "model.plan", profiles_from(1, 8))
+def test_datacenter_plan_needs_same_version_and_capability_unless_hardware_compatible():
+    record = datacenter_record()  # built on 9.0 with 10.13.3.9
+    assert engine_compatibility(record, family_version="10.13.3.9", compute_capability="9.0") == []
+    (cc,) = engine_compatibility(record, family_version="10.13.3.9", compute_capability="8.9")
+    assert cc == "GPU compute capability: the plan was built for 9.0 (NVIDIA H100 80GB HBM3), this GPU is 8.9"
+    (ver,) = engine_compatibility(record, family_version="10.14.1", compute_capability="9.0")
+    assert "TensorRT version: the plan was built with 10.13.3.9, this machine has 10.14.1" in ver
+    assert len(engine_compatibility(record, family_version="11.0", compute_capability="12.0")) == 2
+    anywhere = datacenter_record(options=BuilderOptions(hardware_compatible=True))
+    for cc in ("8.0", "8.6", "9.0", "12.0"):
+        assert engine_compatibility(anywhere, family_version="10.13.3.9", compute_capability=cc) == []
+    (old,) = engine_compatibility(anywhere, family_version="10.13.3.9", compute_capability="7.5")
+    assert "needs Ampere or newer (8.0+)" in old
+
+
+def test_can_run_reads_the_installed_version():
+    import tensorrt_rtx
+
+    record = rtx_record(version=tensorrt_rtx.__version__, targets=("8.6", "8.9"))
+    assert can_run(record, Gpu("NVIDIA GeForce RTX 4090", "8.9")) == (True, [])
+    ok, problems = can_run(record, Gpu("NVIDIA H200", "9.0"))
+    assert not ok and problems == ["GPU compute capability 9.0 is not among the plan's targets (8.6, 8.9)"]
+    assert can_run(record, None) == (False, ["no CUDA GPU"])
+    if not DATACENTER_INSTALLED:
+        ok, problems = can_run(datacenter_record(), Gpu("NVIDIA H100 80GB HBM3", "9.0"))
+        assert not ok and problems[0].startswith("TensorRT unavailable: tensorrt is not installed")
