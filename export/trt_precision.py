@@ -103,7 +103,8 @@ class PrecisionWalk:
     def to_dict(self) -> dict:
         return {"family": self.family, "version": self.version, "onnx": self.onnx, "passed": self.passed,
                 "problems": list(self.problems), "fp32_sites": self.fp32_sites, "network": self.network,
-                "unplaced": self.unplaced, "layers": self.layer_rows(), "sites": [asdict(s) for s in self.sites]}
+                "unplaced": self.unplaced, "layers": self.layer_rows(), "sites": [asdict(s) for s in self.sites],
+                "table": self.table()}  # the rendered table, so a reader needs no code from mbert.export
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -132,8 +133,9 @@ class PrecisionWalk:
         lines = [f"TensorRT precision walk ({self.family} {self.version}, {self.onnx}): "
                  + ("passed" if self.passed else "FAILED"),
                  f"{'site':<22} {'plan':<8} {'tensorrt':<8} {'fp16':>5} {'fp32':>5}  verdict"]
+        short = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}
         for s in self.sites:
-            lines.append(f"{s.site:<22} {s.plan[5:]:<8} {s.tensorrt.replace('float', ''):<8} "
+            lines.append(f"{s.site:<22} {short.get(s.plan, s.plan):<8} {short.get(s.tensorrt, s.tensorrt):<8} "
                          f"{s.compute_fp16:>5} {s.compute_fp32:>5}  {'ok' if s.passed else 'FAIL: ' + s.why}")
         site_problems = sum(not s.passed for s in self.sites)  # walk_network lists them first
         lines += [f"problem: {p}" for p in self.problems[site_problems:]]

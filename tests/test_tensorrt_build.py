@@ -77,6 +77,19 @@ def test_plan_is_judged_by_its_targets_and_tensorrt_rtx(built):
         assert problem.startswith("TensorRT-RTX's validity check says INVALID")
 
 
+@pytest.mark.skipif(GPU is not None, reason="checks what happens without a GPU")
+def test_without_a_gpu_the_plan_cannot_be_loaded_and_says_why(built):
+    from mbert.runtime.trt_runner import TensorRTRunner, load_engine
+
+    _, out = built
+    with pytest.raises(EngineError, match=r"TensorRT-RTX .* cannot load .*model.plan .*deserializeCudaEngine"):
+        load_engine(out / "model.plan", family="tensorrt-rtx")  # the real runtime, asked without a GPU
+    with pytest.raises(EngineError, match="TensorRTRunner needs a CUDA build of torch and a visible GPU"):
+        TensorRTRunner(out / "model.plan", family="tensorrt-rtx")
+    with pytest.raises(EngineError, match="engine plan not found"):
+        load_engine(out / "missing.plan", family="tensorrt-rtx")
+
+
 def test_targets_default_to_the_portable_set_and_are_checked():
     assert _targets(tensorrt_rtx, "tensorrt-rtx", None) == PORTABLE_CAPABILITIES == ("8.0", "8.6", "8.9", "12.0")
     assert _targets(tensorrt_rtx, "tensorrt-rtx", ["8.9", "12.0", "8.9"]) == ("8.9", "12.0")

@@ -119,7 +119,8 @@ def test_walk_result_is_json_and_a_table(walk, tmp_path):
     assert data["sites"][0]["site"] == "embeddings" and len(data["layers"]) == 3
     assert set(data["fp32_sites"]) == {"layers.1.residual", "layers.1.mlp", "layers.2.residual", "final_norm"}
     lines = walk.table()
-    assert lines[0].endswith("passed") and any(re.match(r"layers\.1\.mlp\s+32\s+32\s+0\s+\d+\s+ok", x) for x in lines)
+    assert data["table"] == lines
+    assert lines[0].endswith("passed") and any(re.match(r"layers\.1\.mlp\s+fp32\s+fp32\s+0\s+\d+\s+ok", x) for x in lines)
 
 
 def test_expected_precision_reads_the_plan(graphs):
