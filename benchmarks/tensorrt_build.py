@@ -27,6 +27,7 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def export_child(what: str, cache: Path, quick: bool, max_seq: int) -> None:
     p["plan"].write_text(json.dumps(the_plan.to_dict(), indent=2))
 
 
-def build_child(precision: str, cache: Path, quick: bool, max_batch: int, max_seq: int) -> None:
+def build_child(precision: str, cache: Path, quick: bool, max_batch: int, max_seq: int, workspace_gib: float) -> None:
     """Parse and build one graph with TensorRT-RTX; print one JSON line (run in a subprocess)."""
     t0 = time.perf_counter()
     import tensorrt_rtx  # noqa: F401
@@ -89,10 +90,13 @@ def build_child(precision: str, cache: Path, quick: bool, max_batch: int, max_se
     parse_s = time.perf_counter() - t0
     rss_parsed_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     record = build_parsed(parsed, p[precision], out / "model.plan", profiles_from(max_batch, max_seq),
-                          log_path=out / "tensorrt_build.log")
+                          workspace_gib=workspace_gib, log_path=out / "tensorrt_build.log")
+    activation = [int(m.group(1)) for m in re.finditer(r"Total Activation Memory: (\d+) bytes",
+                                                       (out / "tensorrt_build.log").read_text())]
     result = {"precision": precision, "import_s": import_s, "parse_s": parse_s, "build_s": record.build_seconds,
               "plan_mb": record.plan_bytes / 1e6, "rss_parsed_gb": rss_parsed_kb * 1024 / 1e9,
               "layers": parsed.network.num_layers, "version": record.version, "targets": list(record.targets),
+              "activation_gb": max(activation) / 1e9 if activation else None,
               "profiles": [str(x) for x in record.profiles]}
     del parsed
     if precision == "fp16":
@@ -123,7 +127,8 @@ def prepare(args) -> None:
 
 def run_build(args, precision: str) -> dict:
     cmd = [sys.executable, __file__, "--child", precision, "--cache", str(args.cache), "--max-seq", str(args.max_seq),
-           "--max-batch", str(args.max_batch)] + (["--quick"] if args.quick else [])
+           "--max-batch", str(args.max_batch), "--workspace-gib", str(args.workspace_gib)] \
+        + (["--quick"] if args.quick else [])
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
@@ -160,16 +165,17 @@ def report(args, results: list[dict]) -> list[str]:
     lines = [f"# TensorRT-RTX engine builds: {size}", "",
              f"{datetime.date.today()}, {machine()}, no GPU. " + ", ".join(f"{k} {v}" for k, v in versions().items()),
              "", f"Profile: batch 1..{args.max_batch}, sequence 1..{args.max_seq}"
-             + ("" if args.quick else " (the pipeline's default)") + "; targets: TensorRT-RTX's portable set. "
+             + ("" if args.quick else " (the pipeline's default)") + f", workspace {args.workspace_gib:g} GiB; "
+             "targets: TensorRT-RTX's portable set. "
              "Each build in a fresh process; parse s excludes importing Python modules (import s).", "",
-             "| graph | import s | parse s | builder s | parse + build s | plan MB | RSS after parse GB | peak RSS GB | "
-             "TensorRT layers |", "|---|---|---|---|---|---|---|---|---|"]
+             "| graph | import s | parse s | builder s | parse + build s | plan MB | engine activation GB | "
+             "RSS after parse GB | peak RSS GB | TensorRT layers |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"| {r['precision']} | {r['status']} | | | | | | | |")
+            lines.append(f"| {r['precision']} | {r['status']} | | | | | | | | |")
             continue
         lines.append(f"| {r['precision']} | {r['import_s']:.1f} | {r['parse_s']:.1f} | {r['build_s']:.1f} | {r['parse_s'] + r['build_s']:.1f} "
-                     f"| {r['plan_mb']:.0f} | {r['rss_parsed_gb']:.2f} | {r['peak_rss_gb']:.2f} | {r['layers']} |")
+                     f"| {r['plan_mb']:.0f} | {r['activation_gb'] or float('nan'):.2f} | {r['rss_parsed_gb']:.2f} | {r['peak_rss_gb']:.2f} | {r['layers']} |")
     ok = {r["precision"]: r for r in results if r["status"] == "ok"}
     if {"fp16", "fp32"} <= set(ok):
         a, b = ok["fp16"], ok["fp32"]
@@ -198,6 +204,9 @@ def main() -> None:
     ap.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of fp16, fp32")
     ap.add_argument("--max-batch", type=int)
     ap.add_argument("--max-seq", type=int)
+    ap.add_argument("--workspace-gib", type=float, default=16.0,
+                    help="builder workspace limit: must hold the engine's activation memory at the largest shape "
+                         "(FP16 6.4 GB at 32 x 8192; FP32 does not fit in 8 GiB)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per build child")
     ap.add_argument("--child", choices=PRECISIONS, help=argparse.SUPPRESS)
     ap.add_argument("--export", choices=("checkpoint", "fp32", "fp16"), help=argparse.SUPPRESS)
@@ -207,7 +216,7 @@ def main() -> None:
     if args.export:
         return export_child(args.export, args.cache, args.quick, args.max_seq)
     if args.child:
-        return build_child(args.child, args.cache, args.quick, args.max_batch, args.max_seq)
+        return build_child(args.child, args.cache, args.quick, args.max_batch, args.max_seq, args.workspace_gib)
     prepare(args)
     results = [run_build(args, p) for p in args.precisions.split(",")]
     lines = report(args, results)

@@ -39,8 +39,8 @@ from mbert.runtime.trt_family import (
 from mbert.runtime.trt_profiles import Profile
 from mbert.runtime.trt_record import BuilderOptions, EngineRecord
 
-__all__ = ["ParsedNetwork", "network_flags", "parse_onnx", "build_engine", "build_parsed", "build_log_text", "tensorrt_verdict",
-           "BUILD_LOG_TOPICS"]
+__all__ = ["ParsedNetwork", "network_flags", "parse_onnx", "build_engine", "build_parsed", "build_log_text",
+           "tensorrt_verdict", "BUILD_LOG_TOPICS"]
 
 # Builder log lines worth keeping beside the plan (besides every warning and error): what the
 # engine became and whether attention was fused. Matched as substrings of TensorRT's log text.
@@ -200,7 +200,9 @@ def build_parsed(parsed: ParsedNetwork, onnx_path: str | Path, plan_path: str | 
         seconds = time.perf_counter() - started
     if plan is None:
         errors = [m for s, m in log if s <= 1] or ["no error was logged"]
-        raise EngineError(f"{LABELS[family]} could not build an engine from {onnx_path}: " + " | ".join(errors))
+        raise EngineError(f"{LABELS[family]} could not build an engine from {onnx_path} (workspace limit "
+                          f"{options.workspace_gib:g} GiB: the engine's activation memory for the largest profile "
+                          "shape must fit in it): " + " | ".join(errors))
     data = memoryview(plan)
     _atomic_write(plan_path, data)
     if cache_path is not None:

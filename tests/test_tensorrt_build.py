@@ -136,7 +136,7 @@ def test_tensorrt_rtx_refuses_datacenter_options(graphs, tmp_path):
 def test_naive_fp16_graph_fails_to_build_and_keeps_the_old_plan(graphs, tmp_path):
     plan = tmp_path / "model.plan"
     plan.write_bytes(b"previous plan")
-    with pytest.raises(EngineError, match=r"TensorRT-RTX could not build an engine from .*naive.fp16.onnx: .*Myelin"):
+    with pytest.raises(EngineError, match=r"TensorRT-RTX could not build an engine from .*naive.fp16.onnx \(workspace limit 4 GiB.*\): .*Myelin"):
         build_engine(graphs.naive, plan, PROFILES, family="tensorrt-rtx")
     assert plan.read_bytes() == b"previous plan" and [p.name for p in tmp_path.iterdir()] == ["model.plan"]
 
