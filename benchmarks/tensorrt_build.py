@@ -141,14 +141,16 @@ def run_build(args, precision: str) -> dict:
     return result
 
 
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for pkg in ("mbert-export", "tensorrt-rtx-cu12", "torch", "onnx", "onnxscript"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
+def _installed(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def versions() -> str:
+    packages = ("mbert-export", "tensorrt-rtx-cu12", "torch", "onnx", "onnxscript")
+    return f"python {platform.python_version()}, " + ", ".join(f"{p} {_installed(p)}" for p in packages)
 
 
 def machine() -> str:
@@ -163,7 +165,7 @@ def machine() -> str:
 def report(args, results: list[dict]) -> list[str]:
     size = "3-layer test model (--quick)" if args.quick else "full-size ModernBERT-base (22 layers, random weights)"
     lines = [f"# TensorRT-RTX engine builds: {size}", "",
-             f"{datetime.date.today()}, {machine()}, no GPU. " + ", ".join(f"{k} {v}" for k, v in versions().items()),
+             f"{datetime.date.today()}, {machine()}, no GPU. {versions()}",
              "", f"Profile: batch 1..{args.max_batch}, sequence 1..{args.max_seq}"
              + ("" if args.quick else " (the pipeline's default)") + f", workspace {args.workspace_gib:g} GiB; "
              "targets: TensorRT-RTX's portable set. "
