@@ -56,8 +56,9 @@ def main() -> None:
     from helpers import make_checkpoint
     from mbert.export.precision import scan_batches
     from mbert.export.precision import plan, scan, to_mixed_precision
-    from mbert.export.texts import calibration_texts
-    from mbert.export.validate import build_cases, default_grid, load_tokenizer
+    from mbert.bundle.texts import calibration_texts
+    from mbert.bundle.validation import build_cases, default_grid
+    from mbert.modeling.tokenizer import load_tokenizer
     from mbert.modeling import load_model, load_pooling
 
     device = torch.device(args.device)

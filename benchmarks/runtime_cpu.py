@@ -71,7 +71,8 @@ def prepare(max_len: int) -> tuple[Path, Path]:
         make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0)
     bundle = CACHE / f"bundle-{max_len}"
     if not (bundle / "manifest.json").is_file():
-        from mbert.export.pipeline import ExportOptions, export_bundle
+        from mbert.export.options import ExportOptions
+        from mbert.export.pipeline import export_bundle
 
         log(f"exporting the bundle (max_seq_len {max_len}; trace + validation take a few minutes)")
         t0 = time.perf_counter()
@@ -84,7 +85,7 @@ def build_corpus(tokenizer_json: Path, spec: dict, seed: int = 0) -> list[str]:
     """Slices of the calibration texts cut at token boundaries to each bucket's lengths, shuffled."""
     from tokenizers import Tokenizer
 
-    from mbert.export.texts import calibration_texts
+    from mbert.bundle.texts import calibration_texts
 
     tok = Tokenizer.from_file(str(tokenizer_json))
     docs = [(t, tok.encode(t, add_special_tokens=False).offsets) for t in calibration_texts()]
@@ -158,9 +159,9 @@ def overhead_split(enc, max_len: int, repeats: int = 5) -> dict:
     import warnings
 
     from mbert.runtime import Encoder
-    from mbert.runtime.text import pad_batch
+    from mbert.modeling.tokenizer import pad_batch
 
-    from mbert.export.texts import calibration_texts
+    from mbert.bundle.texts import calibration_texts
 
     length = min(512, max_len)
     cut = Encoder(enc.path, dict(enc.manifest, max_seq_len=length), enc.backend)  # same session, truncates at 512

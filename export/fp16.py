@@ -1,83 +1,75 @@
-"""The FP16 stages of the pipeline: scan, plan, mixed-precision graph, FP16 validation (ours beside a
-naive all-FP16 conversion), and the TensorRT engine when TensorRT and a GPU are present."""
+"""The FP16 stages of the pipeline: scan and plan, the mixed-precision graph, and its validation
+(ours beside a naive all-FP16 conversion, which is reported and never gates)."""
 from __future__ import annotations
 
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
+from mbert.bundle import GraphRecord, LayerKindError, PrecisionRecord
+from mbert.bundle.schema import to_json
+from mbert.bundle.validation import Case, ValidationReport, compare, tolerances_for
 from mbert.modeling.model import encoder_of
 
-from .onnx import GraphModule, to_onnx
-from .precision import plan as make_plan
-from .precision import save_precision, scan, scan_batches, scan_table, to_mixed_precision
-from .validate import Case, Tolerance, compare, onnx_runner
+from .onnx import graph_opset, to_onnx
+from .precision import Plan, ScanReport, plan as make_plan, save_precision, scan, scan_batches, to_mixed_precision
+from .runners import onnx_runner
 
-# Mixed FP16 graph vs FP32 eager. FP16 keeps 11 significant bits, so per-token vectors agree to
-# ~1e-4 in cosine after 22 layers; the pooled embedding averages that noise away. 0.9999 pooled
-# is the issue's contract for "the same embedding"; a token cosine under 0.999 means a region
-# broke (overflow, lost mask), not rounding.
-FP16_TOLERANCES = {
-    "sentence_embedding": Tolerance(atol=float("inf"), rtol=0.0, min_cosine=0.9999,
-                                    reason="pooled FP16 vs FP32: cosine >= 0.9999 is the contract"),
-    "last_hidden_state": Tolerance(atol=float("inf"), rtol=0.0, min_cosine=0.999,
-                                   reason="per-token FP16 rounding; < 0.999 means a broken region"),
-    "logits": Tolerance(atol=float("inf"), rtol=0.0, min_cosine=0.9999,
-                        reason="head logits FP16 vs FP32: cosine >= 0.9999"),
-}
+if TYPE_CHECKING:
+    from .pipeline import Context
+
+FP16_FILE = "model.fp16.onnx"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Fp16Outcome:
-    validation: dict
-    summary: dict
-    engine: dict | None
-    scan_rows: list = field(default_factory=list)
-    plan: dict | None = None
-    engine_note: str = ""
+    graph: GraphRecord
+    record: PrecisionRecord
+    scan: ScanReport
+    plan: Plan
 
 
-def run_fp16(model, pooling, tokenizer, texts, cases, reference, tmp: Path, max_len: int, options, stages) -> Fp16Outcome:
-    report = stages.run("scan", scan, model, scan_batches(tokenizer, texts, max_len))
-    plan = make_plan(report, options.margin)
-    mixed = to_mixed_precision(model, plan)
-    stages.run("mixed precision", to_onnx, mixed, tmp / "model.fp16.onnx", pooling=pooling, opset=options.opset,
-               max_seq_len=max_len)
-    names = GraphModule(model, pooling).output_names
-    tolerances = {n: FP16_TOLERANCES[n] for n in names}
+def scan_and_plan(ctx: "Context") -> tuple[ScanReport, Plan]:
+    report = scan(ctx.model, scan_batches(ctx.tokenizer, ctx.texts, ctx.max_len))
+    return report, make_plan(report, ctx.options.margin)
 
-    def validate_both():
-        ours = compare("model.fp16.onnx", onnx_runner(tmp / "model.fp16.onnx"), reference, cases, tolerances)
-        naive = naive_report(tmp / "model.onnx", reference, cases, tolerances)
-        kinds = per_layer_kind(model, mixed, [c for c in cases if c.input_ids.shape[1] <= 512])
-        return ours, naive, kinds
 
-    ours, naive, kinds = stages.run("validate fp16", validate_both)
-    validation = {**ours.to_dict(), "naive_fp16": naive, "per_layer_kind": kinds}
-    save_precision(tmp / "precision.json", report, plan, validation)
+def trace_mixed(ctx: "Context", plan: Plan) -> None:
+    to_onnx(to_mixed_precision(ctx.model, plan), ctx.staging / FP16_FILE, pooling=ctx.pooling,
+            opset=ctx.options.opset, max_seq_len=ctx.max_len)
+
+
+def validate_mixed(ctx: "Context", report: ScanReport, plan: Plan) -> Fp16Outcome:
+    """The mixed graph against the eager FP32 model (gating), the naive conversion (reported), the
+    per-layer-kind error of the mixed eager model; precision.json and precision.png written."""
     from .plot import plot_scan
 
-    plot_scan(report, plan, tmp / "precision.png")
+    tolerances = tolerances_for("fp16", ctx.graph.output_names)
+    ours = compare(FP16_FILE, onnx_runner(ctx.staging / FP16_FILE), ctx.reference, ctx.cases, tolerances)
+    naive, naive_error = naive_report(ctx.staging / "model.onnx", ctx.reference, ctx.cases, tolerances)
+    short = [c for c in ctx.cases if c.input_ids.shape[1] <= 512]
+    kinds = per_layer_kind(ctx.model, to_mixed_precision(ctx.model, plan), short)
+    save_precision(ctx.staging / "precision.json", report, plan,
+                   to_json({"ours": ours, "naive_fp16": naive, "naive_fp16_error": naive_error, "per_layer_kind": kinds}))
+    plot_scan(report, plan, ctx.staging / "precision.png")
     ours.raise_if_failed()
-    summary = {
-        "plan": "precision.json",
-        "plot": "precision.png",
-        "margin": plan.margin,
-        "fp32_layers": plan.fp32_layers(),
-        "decisions": [f"layer {d.layer}: {d.site} {d.max_abs:.4g} -> {d.precision}" for d in plan.decisions],
-        "max_abs_seen": max(s.max_abs for s in report.stats),
-    }
-    engine, note = stages.run("engine", build_engine_stage, tmp, max_len, options, cases)
-    return Fp16Outcome(validation, summary, engine, scan_table(report, plan), plan.to_dict(), note)
+    record = PrecisionRecord(
+        plan="precision.json", plot="precision.png", margin=plan.margin, fp32_layers=tuple(plan.fp32_layers()),
+        decisions=tuple(f"layer {d.layer}: {d.site} {d.max_abs:.4g} -> {d.precision}" for d in plan.decisions),
+        max_abs_seen=max(s.max_abs for s in report.stats), per_layer_kind=kinds,
+        naive_fp16=naive, naive_fp16_error=naive_error)
+    graph = GraphRecord(FP16_FILE, "fp16", ("onnxruntime", "tensorrt"), graph_opset(ctx.staging / FP16_FILE), ours)
+    return Fp16Outcome(graph, record, report, plan)
 
 
-def naive_report(fp32_onnx: Path, reference, cases, tolerances) -> dict:
+def naive_report(fp32_onnx: Path, reference, cases, tolerances) -> tuple[ValidationReport | None, str | None]:
     """The same validation on a naive all-FP16 conversion of the FP32 graph: onnxruntime's float16
-    converter with IO kept FP32, what a user would otherwise run. Shown beside ours, never gating."""
+    converter with IO kept FP32, what a user would otherwise run. Shown beside ours, never gating;
+    (report, None), or (None, why) when the naive graph does not even run."""
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
@@ -89,15 +81,15 @@ def naive_report(fp32_onnx: Path, reference, cases, tolerances) -> dict:
                 converted = convert_float_to_float16(onnx.load(str(fp32_onnx)), keep_io_types=True)
             onnx.save(converted, str(path))
             return compare("naive fp16 (onnxruntime float16 converter)", onnx_runner(path), reference, cases,
-                           tolerances).to_dict()
-        except Exception as exc:  # the naive path failing is a finding, not an export error
-            return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+                           tolerances), None
+        except Exception as exc:  # noqa: BLE001 - the naive path failing is a finding, not an export error
+            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 @torch.no_grad()
-def per_layer_kind(model, mixed, cases: list[Case]) -> dict:
+def per_layer_kind(model, mixed, cases: list[Case]) -> dict[str, LayerKindError]:
     """Worst per-token cosine and max abs error of each layer's output (mixed eager vs FP32 eager),
-    grouped by layer kind (global / local)."""
+    grouped by layer kind (global / local); None where the mixed output was not finite."""
     enc, menc = encoder_of(model), encoder_of(mixed)
     worst = {"global": [1.0, 0.0], "local": [1.0, 0.0]}
     for case in cases:
@@ -115,42 +107,11 @@ def per_layer_kind(model, mixed, cases: list[Case]) -> dict:
         for i, layer in enumerate(enc.layers):
             kind = "global" if layer.attn.is_global else "local"
             a, b = outs[("ref", i)][keep], outs[("mix", i)][keep]
-            cos = float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min()) if torch.isfinite(b).all() else -1.0
-            err = float((a - b).abs().max()) if torch.isfinite(b).all() else float("inf")
-            worst[kind] = [min(worst[kind][0], cos), max(worst[kind][1], err)]
-    return {k: {"worst_cosine": v[0], "max_abs_error": v[1]} for k, v in worst.items()}
-
-
-def build_engine_stage(bundle_dir: Path, max_len: int, options, cases) -> tuple[dict | None, str]:
-    """Build ``model.plan`` when TensorRT and a GPU exist; otherwise say why, in one line."""
-    from .tensorrt import build_engine, profiles_from, tensorrt_available
-
-    target = Path(options.out) if options.out else Path("engines") / bundle_dir.name
-    later = f"build it later on a GPU machine from this bundle with: mbert-export --engine-only {target}"
-    if not options.engine:
-        return None, f"no TensorRT engine (--no-engine); {later}"
-    ok, reason = tensorrt_available()
-    if not ok:
-        return None, f"no TensorRT engine: {reason}; {later}"
-    profiles = profiles_from(options.max_batch, max_len, options.opt_batch, options.opt_seq_len, options.split_seq)
-    cache = (target.parent / ".trt-timing.cache")
-    info = build_engine(bundle_dir / "model.fp16.onnx", bundle_dir / "model.plan", profiles,
-                        workspace_gib=options.workspace_gib, timing_cache_path=cache)
-    info["validation"] = validate_engine(bundle_dir, cases).to_dict()
-    return info, f"TensorRT {info.get('tensorrt_version')} engine built for {info.get('gpu_name')}"
-
-
-def validate_engine(bundle_dir: Path, cases):
-    """The engine against the bundle's FP32 ONNX graph on ONNX Runtime (the eager model's proven twin)."""
-    from .tensorrt import TensorRTRunner
-
-    runner = TensorRTRunner(bundle_dir / "model.plan")
-
-    def run(ids: np.ndarray, mask: np.ndarray):
-        return {k: np.asarray(v) for k, v in runner.run(input_ids=ids, attention_mask=mask).items()}
-
-    reference = onnx_runner(bundle_dir / "model.onnx")
-    names = list(reference(cases[0].input_ids, cases[0].attention_mask))
-    report = compare("model.plan", run, reference, cases, {n: FP16_TOLERANCES[n] for n in names})
-    report.raise_if_failed()
-    return report
+            if not torch.isfinite(b).all():
+                worst[kind] = [None, None]
+                continue
+            if worst[kind][0] is None:
+                continue
+            cos = float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
+            worst[kind] = [min(worst[kind][0], cos), max(worst[kind][1], float((a - b).abs().max()))]
+    return {k: LayerKindError(*v) for k, v in worst.items()}

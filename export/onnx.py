@@ -34,73 +34,21 @@ import contextlib
 import logging
 import math
 import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from mbert.modeling.errors import ExportError
+from mbert.modeling.graph import GraphModule, TensorSpec, input_specs
 from mbert.modeling.pooling import PoolingConfig
 
 OPSET = 18
 MIN_OPSET = 18  # see the module docstring
 PROTOBUF_LIMIT = 2 * 1024**3  # a single .onnx file cannot exceed 2 GiB: bigger weights go to external data
-INPUT_NAMES = ("input_ids", "attention_mask")
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str
-    shape: tuple[int | str, ...]
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        return d
-
-
-class GraphModule(nn.Module):
-    """What the exported graph computes: the eager model, then pooling; outputs are FP32."""
-
-    def __init__(self, model: nn.Module, pooling: PoolingConfig | None):
-        super().__init__()
-        self.model = model
-        self.task = model.config.task
-        self.pooling = pooling.module() if pooling is not None and self.task == "encoder" else None
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        if self.task != "encoder":
-            return ("logits",)
-        return ("last_hidden_state", "sentence_embedding") if self.pooling is not None else ("last_hidden_state",)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        out = self.model(input_ids, attention_mask)
-        if self.task != "encoder":
-            return out.float()  # logits
-        hidden = out.float()  # [B, T, D]
-        if self.pooling is None:
-            return hidden
-        return hidden, self.pooling(hidden, attention_mask)  # [B, T, D], [B, D']
-
-    def output_specs(self) -> list[TensorSpec]:
-        cfg = self.model.config
-        shapes = {
-            "last_hidden_state": ("batch", "sequence", cfg.hidden_size),
-            "sentence_embedding": ("batch", cfg.hidden_size * (len(self.pooling.modes) if self.pooling else 1)),
-            "logits": {
-                "masked-lm": ("batch", "sequence", cfg.vocab_size),
-                "sequence-classification": ("batch", cfg.num_labels),
-                "token-classification": ("batch", "sequence", cfg.num_labels),
-            }.get(self.task),
-        }
-        return [TensorSpec(n, "float32", shapes[n]) for n in self.output_names]
-
-
-def input_specs() -> list[TensorSpec]:
-    return [TensorSpec(n, "int64", ("batch", "sequence")) for n in INPUT_NAMES]
+# The tracer specializes an axis whose example size is 1 (torch.export's 0/1 specialization): the
+# sequence axis needs an example of at least 2 tokens, and the example cannot exceed the axis' range.
+MIN_SEQ_LEN = 2
 
 
 def to_onnx(
@@ -110,7 +58,7 @@ def to_onnx(
     pooling: PoolingConfig | None = None,
     opset: int = OPSET,
     max_seq_len: int | None = None,
-) -> list[TensorSpec]:
+) -> tuple[TensorSpec, ...]:
     """Export ``model`` (FP32 or mixed precision) to ``path``; returns the graph's I/O specs."""
     if opset < MIN_OPSET:
         raise ExportError(f"opset {opset} is too low: LayerNormalization needs 17 and torch's exporter "
@@ -118,7 +66,10 @@ def to_onnx(
     path = Path(path)
     graph = GraphModule(model, pooling).eval()
     cfg = model.config
-    max_seq_len = max_seq_len or cfg.max_position_embeddings
+    max_seq_len = cfg.max_position_embeddings if max_seq_len is None else max_seq_len
+    if max_seq_len < MIN_SEQ_LEN:
+        raise ExportError(f"max_seq_len {max_seq_len} is below {MIN_SEQ_LEN}: the tracer needs an example of at "
+                          "least 2 tokens to keep the sequence axis dynamic")
     # Example shapes distinct from every static dim, so the tracer cannot confuse them.
     example_len = min(max_seq_len, 2 * cfg.window_half_width + 3)
     ids = torch.full((2, example_len), cfg.pad_token_id, dtype=torch.int64)
@@ -136,7 +87,7 @@ def to_onnx(
                 graph,
                 (ids.to(device), mask.to(device)),
                 None,
-                input_names=list(INPUT_NAMES),
+                input_names=[s.name for s in input_specs()],
                 output_names=list(graph.output_names),
                 opset_version=opset,
                 dynamo=True,
@@ -151,7 +102,20 @@ def to_onnx(
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path), external_data=external)
     check_graph(path)
+    check_dynamic_axes(path)
     return input_specs() + graph.output_specs()
+
+
+def check_dynamic_axes(path: str | Path) -> None:
+    """Every input of the written graph has symbolic batch and sequence axes (never a fixed size)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    for tensor in proto.graph.input:
+        dims = [d.dim_param or d.dim_value for d in tensor.type.tensor_type.shape.dim]
+        if len(dims) != 2 or not all(isinstance(d, str) and d for d in dims):
+            raise ExportError(f"{path}: input {tensor.name!r} has shape {dims}; its batch and sequence axes must "
+                              "be dynamic, the graph is not written")
 
 
 def graph_opset(path: str | Path) -> int:

@@ -112,7 +112,7 @@ def scan(model: nn.Module, texts_or_batches: Sequence, max_len: int | None = Non
     """
     batches = list(texts_or_batches)
     if batches and isinstance(batches[0], str):
-        from .validate import load_tokenizer
+        from mbert.modeling.tokenizer import load_tokenizer
 
         device = next(model.parameters()).device
         max_len = max_len or model.config.max_position_embeddings

@@ -32,10 +32,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
-from mbert.export.tensorrt import Profile
-from mbert.modeling.errors import BundleError, EngineError
+from mbert.bundle import Manifest, Profile, TritonRecord
+from mbert.bundle.schema import to_json
+from mbert.modeling.errors import BundleError
 
-__all__ = ["write_triton_repository", "to_pbtxt", "Enum"]
+__all__ = ["write_triton_repository", "repository_for", "model_name", "to_pbtxt", "Enum"]
 
 _TYPES = {"int64": "TYPE_INT64", "int32": "TYPE_INT32", "float32": "TYPE_FP32",
           "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "bool": "TYPE_BOOL",
@@ -92,7 +93,7 @@ def _scalar(value: Any) -> str:
 
 def write_triton_repository(bundle_dir: str | Path, manifest: dict[str, Any], *, has_plan: bool,
                             onnx_file: str | None = None,
-                            profiles: Sequence[Profile | dict[str, Any]] | None = None,
+                            profiles: Sequence[Profile] | None = None,
                             max_batch: int, preferred_batch_sizes: Sequence[int] | None = None,
                             max_queue_delay_us: int = 0, ensemble_target: str = "onnx") -> Path:
     """Write ``<bundle>/triton/`` (replacing any previous one) and return its path.
@@ -115,10 +116,7 @@ def write_triton_repository(bundle_dir: str | Path, manifest: dict[str, Any], *,
     if any(not 1 <= s <= max_batch for s in sizes):
         raise BundleError(f"preferred_batch_sizes {list(preferred_batch_sizes or [])} must lie in "
                           f"1..{max_batch}")
-    try:
-        engine_profiles = [Profile.from_any(p) for p in profiles or []]
-    except EngineError as exc:
-        raise BundleError(str(exc)) from exc
+    engine_profiles = list(profiles or [])
     _check_profiles(engine_profiles, max_batch, max_seq_len)
     onnx_name = onnx_file or ("model.fp16.onnx" if (bundle / "model.fp16.onnx").is_file()
                               else "model.onnx")
@@ -165,7 +163,7 @@ def _read_manifest(manifest: dict[str, Any]) -> tuple[str, int, list[dict], list
     except (KeyError, TypeError) as exc:
         raise BundleError(f"manifest.json lacks {exc} (needs name, max_seq_len, io.inputs, "
                           "io.outputs)") from None
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(raw_name)).strip(".") or "model"
+    name = model_name(str(raw_name))
     if not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise BundleError(f"manifest max_seq_len must be a positive int, got {max_seq_len!r}")
     inputs = [_tensor(entry, "input") for entry in io_inputs]
@@ -176,6 +174,23 @@ def _read_manifest(manifest: dict[str, Any]) -> tuple[str, int, list[dict], list
     if not outputs:
         raise BundleError("manifest io.outputs is empty")
     return name, max_seq_len, inputs, outputs
+
+
+def model_name(bundle_name: str) -> str:
+    """The Triton model name of a bundle: characters other than ``[A-Za-z0-9_.-]`` become ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", bundle_name).strip(".") or "model"
+
+
+def repository_for(folder: Path, manifest: Manifest, *, max_batch: int) -> TritonRecord:
+    """Write ``folder/triton/`` for the bundle ``manifest`` describes; returns the manifest's record of it."""
+    has_plan = manifest.engine is not None
+    graph = manifest.graph("fp16") or manifest.graph("fp32")
+    raw = {"name": manifest.name, "max_seq_len": manifest.max_seq_len, "io": to_json(manifest.io),
+           "model": {"pad_token_id": manifest.model.pad_token_id}}
+    repo = write_triton_repository(folder, raw, has_plan=has_plan, onnx_file=graph.file,
+                                   profiles=manifest.engine.profiles if has_plan else None, max_batch=max_batch)
+    name = model_name(manifest.name)
+    return TritonRecord(repo.name, name, f"{name}_onnx", max_batch)
 
 
 def _tensor(entry: dict[str, Any], role: str) -> dict[str, Any]:

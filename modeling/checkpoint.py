@@ -17,6 +17,7 @@ import torch
 from .config import ModernBertConfig
 from .errors import CheckpointError, read_json
 from .model import build_model, encoder_of
+from .paths import inside
 
 # Files a bundle or the runtime may need besides the weights.
 SIDE_FILES = (
@@ -47,11 +48,6 @@ class ResolvedSource:
     path: Path  # local folder holding config.json
     hub_id: str | None = None
     revision: str | None = None
-
-    def describe(self) -> str:
-        if self.hub_id:
-            return f"{self.hub_id}@{self.revision}" if self.revision else self.hub_id
-        return str(self.path)
 
 
 def resolve(source: str | Path, revision: str | None = None, weights: bool = False) -> ResolvedSource:
@@ -141,22 +137,24 @@ def load_model(
 
 def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
     """All tensors of the checkpoint in ``folder`` and a description of the file(s) they came from."""
-    single = folder / "model.safetensors"
-    index = folder / "model.safetensors.index.json"
-    if single.is_file():
-        return _read_safetensors(single), str(single)
-    if index.is_file():
-        return _read_sharded(index, _read_safetensors), str(index)
-    bin_single = folder / "pytorch_model.bin"
-    bin_index = folder / "pytorch_model.bin.index.json"
-    if bin_single.is_file():
-        return _read_bin(bin_single), str(bin_single)
-    if bin_index.is_file():
-        return _read_sharded(bin_index, _read_bin), str(bin_index)
+    for name, reader, sharded in (("model.safetensors", _read_safetensors, False),
+                                  ("model.safetensors.index.json", _read_safetensors, True),
+                                  ("pytorch_model.bin", _read_bin, False),
+                                  ("pytorch_model.bin.index.json", _read_bin, True)):
+        path = folder / name
+        if path.is_file():
+            return (_read_sharded(path, reader) if sharded else reader(path)), str(path)
     raise CheckpointError(
         f"{folder}: no weights found (looked for model.safetensors, model.safetensors.index.json, "
         "pytorch_model.bin, pytorch_model.bin.index.json)"
     )
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise CheckpointError(f"{path}: tensor(s) holding NaN or infinite values: {', '.join(sorted(bad)[:10])}")
+    return tensors
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -164,11 +162,12 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: file not found") from exc
     except Exception as exc:  # SafetensorError, OSError, ... for truncated or corrupt files
         raise CheckpointError(f"{path}: not a readable safetensors file, truncated or corrupt ({exc})") from exc
+    return _check_finite(tensors, path)
 
 
 def _read_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -180,7 +179,7 @@ def _read_bin(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: not a readable PyTorch weights file ({exc})") from exc
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: expected a mapping of tensor names to tensors")
-    return state
+    return _check_finite(state, path)
 
 
 def _read_sharded(index: Path, reader) -> dict[str, torch.Tensor]:
@@ -190,7 +189,7 @@ def _read_sharded(index: Path, reader) -> dict[str, torch.Tensor]:
     weight_map = weight_map["weight_map"]
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
-        tensors = reader(index.parent / shard)
+        tensors = reader(inside(index.parent, shard, f"{index}: weight_map", CheckpointError))
         wanted = {k for k, v in weight_map.items() if v == shard}
         missing = sorted(wanted - tensors.keys())
         if missing:
@@ -240,3 +239,27 @@ def _check_keys(state: dict[str, torch.Tensor], model: torch.nn.Module, origin: 
         problems.append(f"not floating point: {', '.join(not_float)}")
     if problems:
         raise CheckpointError(f"{origin}: checkpoint does not match the config: " + "; ".join(problems))
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy the checkpoint's tokenizer and sentence-transformers files into ``dst`` (the weights travel
+    inside the ONNX graphs); returns their relative names. The folders ``modules.json`` names are
+    confined to the checkpoint (and so to ``dst``): CheckpointError naming the entry otherwise."""
+    import shutil
+
+    names = [n for n in SIDE_FILES if "*" not in n and (src / n).is_file()]
+    modules = src / "modules.json"
+    if modules.is_file():
+        entries = read_json(modules, CheckpointError)
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise CheckpointError(f"{modules}: expected a list of module objects")
+        for i, entry in enumerate(entries):
+            sub = entry.get("path") or ""
+            if sub:
+                rel = f"{sub.rstrip('/')}/config.json"
+                if inside(src, rel, f"{modules}: [{i}].path", CheckpointError).is_file():
+                    names.append(rel)
+    for name in names:
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / name, dst / name)
+    return names

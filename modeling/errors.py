@@ -8,7 +8,18 @@ from __future__ import annotations
 
 
 class MbertError(Exception):
-    """Base class of every error mbert-export raises on purpose."""
+    """Base class of every error mbert-export raises on purpose: bad input or environment.
+
+    The command lines print ``str(error)`` as one line and exit with ``exit_code``: 1 for bad input
+    or environment, 2 for a usage error (:class:`OptionError`); 3 is kept for internal errors."""
+
+    exit_code = 1
+
+
+class OptionError(MbertError, ValueError):
+    """An option or argument value is out of its range (the message names the option)."""
+
+    exit_code = 2
 
 
 class ConfigError(MbertError):
@@ -28,7 +39,7 @@ class TokenizerError(MbertError):
 
 
 class TextFileError(MbertError):
-    """A user-supplied text file (calibration or input) is unreadable or malformed."""
+    """A user-supplied text (a calibration or input file, an argument) is unreadable or malformed."""
 
 
 class ExportError(MbertError):
@@ -49,6 +60,20 @@ class EngineError(MbertError):
 
 class BundleError(MbertError):
     """A bundle folder is missing, incomplete, tampered with or built for another machine."""
+
+
+def failure(exc: BaseException) -> tuple[str, int]:
+    """The one line a command line prints for ``exc``, and its exit code: the error's own for an
+    :class:`MbertError` (1 bad input, 2 usage), 1 for the environment (a file or folder that cannot be
+    read or written), 3 for anything else (a bug)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, MbertError):
+        return f"error: {text}", exc.exit_code
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"error: {where}{exc.strerror or text}", 1
+    return (f"internal error: {type(exc).__name__}: {text} (rerun with --debug for the traceback, and please "
+            "report it)", 3)
 
 
 def read_json(path, error: type[MbertError]):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import PoolingError, read_json
+from .paths import inside
 from .model import MASK_FILL
 
 # sentence-transformers' concatenation order when several modes are enabled
@@ -49,26 +50,14 @@ class PoolingConfig:
     def mode(self) -> str:
         return "+".join(self.modes)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "modes": list(self.modes),
-            "normalize": self.normalize,
-            "max_seq_length": self.max_seq_length,
-            "include_prompt": self.include_prompt,
-            "prompts": dict(self.prompts),
-            "default_prompt_name": self.default_prompt_name,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "PoolingConfig":
-        return cls(
-            modes=tuple(d["modes"]),
-            normalize=bool(d["normalize"]),
-            max_seq_length=d.get("max_seq_length"),
-            include_prompt=bool(d.get("include_prompt", True)),
-            prompts=dict(d.get("prompts") or {}),
-            default_prompt_name=d.get("default_prompt_name"),
-        )
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise PoolingError(f"pooling modes {list(self.modes)} not supported; expected some of {', '.join(MODES)}")
+        if self.max_seq_length is not None and self.max_seq_length < 1:
+            raise PoolingError(f"max_seq_length must be a positive integer, got {self.max_seq_length}")
+        if self.default_prompt_name is not None and self.default_prompt_name not in self.prompts:
+            raise PoolingError(f"default_prompt_name {self.default_prompt_name!r} is not one of the prompts")
 
     def module(self) -> "Pooling":
         return Pooling(self.modes, self.normalize)
@@ -127,7 +116,9 @@ def load_pooling(source: str | Path) -> PoolingConfig | None:
     modules = _read(modules_file)
     if not isinstance(modules, list):
         raise PoolingError(f"{modules_file}: expected a list of modules")
-    kinds = [m.get("type") for m in modules if isinstance(m, dict)]
+    if not all(isinstance(m, dict) for m in modules):
+        raise PoolingError(f"{modules_file}: every module entry must be an object")
+    kinds = [m.get("type") for m in modules]
     unsupported = [m for m in modules if m.get("type") not in (_TRANSFORMER, _POOLING, _NORMALIZE)]
     if unsupported:
         names = ", ".join(f"{m.get('type')} ({m.get('path')})" for m in unsupported)
@@ -136,7 +127,8 @@ def load_pooling(source: str | Path) -> PoolingConfig | None:
     if len(pool_entries) != 1:
         raise PoolingError(f"{modules_file}: expected exactly one Pooling module, found {len(pool_entries)}")
 
-    pool_file = root / pool_entries[0].get("path", "1_Pooling") / "config.json"
+    sub = pool_entries[0].get("path", "1_Pooling")
+    pool_file = inside(root, f"{sub}/config.json", f"{modules_file}: Pooling module 'path'", PoolingError)
     raw = _read(pool_file)
     modes = _modes(raw, pool_file)
 

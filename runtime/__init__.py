@@ -11,7 +11,7 @@ cheap; the heavy modules (torch, onnxruntime, tokenizers) load when an Encoder o
 """
 from __future__ import annotations
 
-import importlib
+from mbert.modeling.lazy import lazy_exports
 
 _EXPORTS = {
     "Encoder": ".encoder",
@@ -24,11 +24,8 @@ _EXPORTS = {
     "open_backend": ".backends",
     "backend_statuses": ".backends",
     "padded_length": ".backends",
-    "open_manifest": ".checks",
-    "check_manifest": ".checks",
     "engine_problems": ".checks",
     "check_engine": ".checks",
-    "manifest_digest": ".checks",
     "pool": ".text",
     "plan_batches": ".text",
 }
@@ -36,13 +33,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,12 +1,12 @@
 """The runtime's backends behind one small interface.
 
-* ``tensorrt``: the bundle's ``model.plan`` through :class:`mbert.export.tensorrt.TensorRTRunner`
+* ``tensorrt``: the bundle's ``model.plan`` through :class:`mbert.runtime.tensorrt.TensorRTRunner`
   (FP16 as the plan was built). A TensorRT execution context is not thread-safe: calls are
   serialized with a lock (one context, so GPU memory does not grow with the number of threads).
 * ``onnxruntime-cuda`` / ``onnxruntime-cpu``: ONNX Runtime. On CUDA the mixed-precision
   ``model.fp16.onnx`` by default, on CPU the FP32 ``model.onnx`` (``precision`` overrides).
   ``InferenceSession.run`` is thread-safe, so calls run concurrently.
-* ``eager``: the PyTorch reference (the exporter's ``GraphModule`` on the source checkpoint; a
+* ``eager``: the PyTorch reference (``mbert.modeling.graph.GraphModule`` on the source checkpoint; a
   bundle holds no PyTorch weights). FP32 only. Forward passes of an eval module are thread-safe.
 
 Every backend pads by the same rule (:func:`padded_length`): the longest row rounded up to a
@@ -22,7 +22,8 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from mbert.modeling.errors import BundleError, EngineError
+from mbert.bundle import Bundle
+from mbert.modeling.errors import BundleError, EngineError, OptionError
 
 from . import checks
 
@@ -45,8 +46,6 @@ class Backend(Protocol):
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
             outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]: ...
-
-    def accepts(self, batch: int, seq: int) -> bool: ...
 
     def pad_to(self, seq: int, batch: int = 1) -> int: ...
 
@@ -81,11 +80,6 @@ class _Padding:
     def max_batch(self) -> int | None:
         return max(p.max[0] for p in self.profiles) if self.profiles else None
 
-    def accepts(self, batch: int, seq: int) -> bool:
-        if self.profiles:
-            return any(p.covers(batch, seq) for p in self.profiles)
-        return 1 <= seq <= self.max_seq
-
     def pad_to(self, seq: int, batch: int = 1) -> int:
         return padded_length(seq, batch, self.max_seq, self.profiles)
 
@@ -117,7 +111,7 @@ class OrtBackend(_Padding):
 
 class TensorRTBackend(_Padding):
     def __init__(self, plan: Path, max_seq: int, device_id: int = 0):
-        from mbert.export.tensorrt import TensorRTRunner, load_engine
+        from .tensorrt import TensorRTRunner, load_engine
 
         loaded = load_engine(plan)
         self.runner = TensorRTRunner(loaded, device=device_id)
@@ -133,22 +127,17 @@ class TensorRTBackend(_Padding):
 
 
 class EagerBackend(_Padding):
-    def __init__(self, graph_module, max_seq: int, device: Any = "cpu", artifact: str = "eager"):
-        import torch
+    def __init__(self, graph_module, max_seq: int, artifact: str = "eager"):
+        from mbert.modeling.graph import INPUT_NAMES, eager_runner
 
-        self.torch, self.graph = torch, graph_module.eval()
-        self.device = torch.device(device)
+        self.runner = eager_runner(graph_module.eval())
         self.name, self.precision, self.artifact, self.max_seq = "eager", "fp32", artifact, max_seq
-        self.input_names = ["input_ids", "attention_mask"]
+        self.input_names = list(INPUT_NAMES)
         self.output_names = list(graph_module.output_names)
 
     def run(self, input_ids, attention_mask, outputs=None):
-        torch = self.torch
-        with torch.inference_mode():
-            out = self.graph(torch.from_numpy(np.ascontiguousarray(input_ids)).to(self.device),
-                             torch.from_numpy(np.ascontiguousarray(attention_mask)).to(self.device))
-        out = out if isinstance(out, tuple) else (out,)
-        return {n: o.float().cpu().numpy() for n, o in zip(self.output_names, out) if not outputs or n in outputs}
+        out = self.runner(input_ids, attention_mask)
+        return {n: v for n, v in out.items() if not outputs or n in outputs}
 
 
 # --- choosing --------------------------------------------------------------------------------------
@@ -163,7 +152,7 @@ class BackendStatus:
 def normalize_name(backend: str) -> str:
     name = _ALIASES.get(backend.lower(), backend.lower())
     if name not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        raise OptionError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     return name
 
 
@@ -179,37 +168,37 @@ def _ort_cuda_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _trt_status(bundle: Path, manifest: dict) -> tuple[bool, str]:
-    if not (manifest.get("artifacts") or {}).get("engine"):
-        return False, f"the bundle has no model.plan (build one on a GPU machine: mbert-export --engine-only {bundle})"
-    from mbert.export.tensorrt import tensorrt_available
+def _trt_status(bundle: Bundle) -> tuple[bool, str]:
+    if bundle.manifest.engine is None:
+        return False, f"the bundle has no model.plan (build one on a GPU machine: mbert-export --engine-only {bundle.path})"
+    from .tensorrt import tensorrt_available
 
     ok, reason = tensorrt_available()
     if not ok:
         return False, reason
     import tensorrt as trt
 
-    problems = checks.engine_problems(manifest.get("engine"), trt.__version__, checks.current_gpu()[1])
+    problems = checks.engine_problems(bundle.manifest.engine, trt.__version__, checks.current_gpu()[1])
     if problems:
-        return False, "; ".join(problems) + f" (rebuild: mbert-export --engine-only {bundle})"
+        return False, "; ".join(problems) + f" (rebuild: mbert-export --engine-only {bundle.path})"
     return True, ""
 
 
-def backend_statuses(bundle: Path, manifest: dict, source: str | Path | None = None) -> list[BackendStatus]:
+def backend_statuses(bundle: Bundle, source: str | Path | None = None) -> list[BackendStatus]:
     """Which backends can run this bundle on this machine, and why not where they cannot."""
-    arts = manifest.get("artifacts") or {}
-    out = [BackendStatus("tensorrt", *_trt_status(bundle, manifest))]
+    m = bundle.manifest
+    out = [BackendStatus("tensorrt", *_trt_status(bundle))]
     ok, why = _ort_cuda_available()
-    fp16 = "model.fp16.onnx" if arts.get("onnx_fp16") else "model.onnx (no FP16 graph in the bundle)"
+    fp16 = m.graph("fp16").file if m.graph("fp16") else f"{m.graph('fp32').file} (no FP16 graph in the bundle)"
     out.append(BackendStatus("onnxruntime-cuda", ok, f"runs {fp16}" if ok else why))
     try:
         import onnxruntime  # noqa: F401
 
-        out.append(BackendStatus("onnxruntime-cpu", True, "runs model.onnx (FP32)"))
+        out.append(BackendStatus("onnxruntime-cpu", True, f"runs {m.graph('fp32').file} (FP32)"))
     except ImportError:
         out.append(BackendStatus("onnxruntime-cpu", False, "onnxruntime is not installed"))
     try:
-        where = checks.eager_source(bundle, manifest, source)
+        where = checks.eager_source(bundle, source)
         out.append(BackendStatus("eager", True, f"loads the source checkpoint {where}"))
     except BundleError as exc:
         out.append(BackendStatus("eager", False, str(exc).split(": ", 1)[-1]))
@@ -220,24 +209,23 @@ def _device(device: str | None) -> tuple[str | None, int]:
     if device is None:
         return None, 0
     kind, _, index = str(device).partition(":")
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+        raise OptionError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     return kind, int(index or 0)
 
 
-def open_backend(bundle: Path, manifest: dict, backend: str = "auto", device: str | None = None,
-                 precision: str | None = None, *, threads: int | None = None, source=None,
-                 max_seq: int | None = None) -> Backend:
+def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = None, precision: str | None = None,
+                 *, threads: int | None = None, source=None) -> Backend:
     """Load the backend ``backend`` asks for (``auto``: TensorRT, then ONNX Runtime CUDA, then CPU)."""
     name = normalize_name(backend)
     if precision not in (None, "fp32", "fp16"):
-        raise ValueError(f"precision must be 'fp32' or 'fp16', got {precision!r}")
+        raise OptionError(f"precision must be 'fp32' or 'fp16', got {precision!r}")
     kind, index = _device(device)
-    arts = manifest.get("artifacts") or {}
-    max_seq = max_seq or manifest["max_seq_len"]
+    m = bundle.manifest
+    max_seq = m.max_seq_len
     if name == "auto":
-        if kind != "cpu" and precision != "fp32" and arts.get("engine"):
-            from mbert.export.tensorrt import tensorrt_available
+        if kind != "cpu" and precision != "fp32" and m.engine is not None:
+            from .tensorrt import tensorrt_available
 
             if tensorrt_available()[0]:
                 name = "tensorrt"  # an engine for another GPU or TensorRT is refused below, not skipped
@@ -250,47 +238,53 @@ def open_backend(bundle: Path, manifest: dict, backend: str = "auto", device: st
         name = "onnxruntime-cpu" if kind == "cpu" or not _ort_cuda_available()[0] else "onnxruntime-cuda"
 
     if name == "tensorrt":
-        if precision == "fp32":
-            raise ValueError("the TensorRT plan is FP16; use backend='onnxruntime' for precision='fp32'")
-        if kind == "cpu":
-            raise ValueError("TensorRT runs on a GPU; device='cpu' contradicts backend='tensorrt'")
-        if not arts.get("engine"):
-            raise BundleError(f"{bundle}: has no TensorRT engine; build it with: mbert-export --engine-only {bundle}")
-        from mbert.export.tensorrt import tensorrt_available
-
-        ok, reason = tensorrt_available()
-        if not ok:
-            raise EngineError(f"TensorRT cannot run here: {reason}")
-        import tensorrt as trt
-
-        checks.check_engine(bundle, manifest, trt.__version__, checks.current_gpu(index)[1])
-        b: Backend = TensorRTBackend(bundle / arts["engine"], max_seq, index)
-        want = manifest["engine"].get("profiles")
-        got = [p.as_lists() for p in b.profiles]
-        if want is not None and want != got:
-            raise BundleError(f"{bundle}: model.plan's optimization profiles {got} are not the manifest's {want}; "
-                              f"rebuild with: mbert-export --engine-only {bundle}")
+        b: Backend = _open_tensorrt(bundle, precision, kind, index)
     elif name.startswith("onnxruntime"):
         cuda = name == "onnxruntime-cuda"
         if cuda and not _ort_cuda_available()[0]:
             raise BundleError(f"ONNX Runtime CUDA cannot run here: {_ort_cuda_available()[1]}")
         if cuda and kind == "cpu":
-            raise ValueError("backend 'onnxruntime-cuda' contradicts device='cpu'")
-        want = precision or ("fp16" if cuda and arts.get("onnx_fp16") else "fp32")
-        if want == "fp16" and not arts.get("onnx_fp16"):
-            raise BundleError(f"{bundle}: has no model.fp16.onnx for precision='fp16'; re-export with --fp16")
-        artifact = arts["onnx_fp16"] if want == "fp16" else arts["onnx_fp32"]
-        b = OrtBackend(bundle / artifact, max_seq, cuda=cuda, precision=want, threads=threads, device_id=index)
+            raise OptionError("backend 'onnxruntime-cuda' contradicts device='cpu'")
+        want = precision or ("fp16" if cuda and m.graph("fp16") else "fp32")
+        graph = m.graph(want)
+        if graph is None:
+            raise BundleError(f"{bundle.path}: has no {want} graph for precision={want!r}; re-export with --{want}")
+        b = OrtBackend(bundle.path_of(graph.file, "graphs.file"), max_seq, cuda=cuda, precision=want, threads=threads,
+                       device_id=index)
     else:  # eager
         if precision == "fp16":
-            raise ValueError("the eager backend is the FP32 reference; precision='fp16' needs onnxruntime or tensorrt")
-        from mbert.export.onnx import GraphModule
-        from mbert.modeling import PoolingConfig
+            raise OptionError("the eager backend is the FP32 reference; precision='fp16' needs onnxruntime or "
+                              "tensorrt")
+        from mbert.modeling.graph import GraphModule
 
         torch_device = "cpu" if kind in (None, "cpu") else f"cuda:{index}"
-        model = checks.load_eager_model(bundle, manifest, source, device=torch_device)
-        pooling = PoolingConfig.from_dict(manifest["pooling"]) if manifest.get("pooling") else None
-        b = EagerBackend(GraphModule(model, pooling), max_seq, torch_device, artifact=str(model.source.path))
-    checks.check_graph_io(bundle, manifest, b.artifact, b.input_names, b.output_names)
-    log.info("mbert.runtime: %s runs on %s (%s, %s)", bundle.name, b.name, b.artifact, b.precision)
+        model = checks.load_eager_model(bundle, source, device=torch_device)
+        b = EagerBackend(GraphModule(model, m.pooling), max_seq, artifact=str(model.source.path))
+    checks.check_graph_io(bundle, b.artifact, b.input_names, b.output_names)
+    log.info("mbert.runtime: %s runs on %s (%s, %s)", bundle.path.name, b.name, b.artifact, b.precision)
+    return b
+
+
+def _open_tensorrt(bundle: Bundle, precision: str | None, kind: str | None, index: int) -> "TensorRTBackend":
+    engine = bundle.manifest.engine
+    if precision == "fp32":
+        raise OptionError("the TensorRT plan is FP16; use backend='onnxruntime' for precision='fp32'")
+    if kind == "cpu":
+        raise OptionError("TensorRT runs on a GPU; device='cpu' contradicts backend='tensorrt'")
+    if engine is None:
+        raise BundleError(f"{bundle.path}: has no TensorRT engine; build it with: mbert-export --engine-only "
+                          f"{bundle.path}")
+    from .tensorrt import tensorrt_available
+
+    ok, reason = tensorrt_available()
+    if not ok:
+        raise EngineError(f"TensorRT cannot run here: {reason}")
+    import tensorrt as trt
+
+    checks.check_engine(bundle, trt.__version__, checks.current_gpu(index)[1])
+    b = TensorRTBackend(bundle.path_of(engine.file, "engine.file"), bundle.manifest.max_seq_len, index)
+    if tuple(b.profiles) != engine.profiles:
+        raise BundleError(f"{bundle.path}: model.plan's optimization profiles {[str(p) for p in b.profiles]} are not "
+                          f"the manifest's {[str(p) for p in engine.profiles]}; rebuild with: mbert-export "
+                          f"--engine-only {bundle.path}")
     return b

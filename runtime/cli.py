@@ -6,21 +6,20 @@ are imported inside the commands, so ``--help`` is instant.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
 import click
 
+from mbert.modeling.errors import TextFileError
+
 BACKEND_CHOICES = ["auto", "tensorrt", "onnxruntime", "onnxruntime-cuda", "onnxruntime-cpu", "eager"]
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
-
-
 def _guard(fn):
-    """Run a command; any error becomes ``error: <one line>`` and exit status 1 (``--debug``: traceback)."""
+    """Run a command; any error becomes one line and the exit code of ``mbert.modeling.errors.failure``
+    (1 bad input or environment, 2 usage, 3 internal error; ``--debug``: the traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -29,21 +28,19 @@ def _guard(fn):
             return fn(*args, **kwargs)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
         except Exception as exc:  # noqa: BLE001 - every failure is reported the same way
             if debug:
                 raise
-            click.echo(f"error: {_one_line(exc)}", err=True)
-            sys.exit(1)
+            from mbert.modeling.errors import failure
+
+            line, code = failure(exc)
+            click.echo(line, err=True)
+            sys.exit(code)
 
     return wrapper
-
-
-def _table(rows, headers) -> str:
-    rows = [tuple(str(c) for c in r) for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
 
 
 def _open(bundle, backend, device, precision, source, **kwargs):
@@ -100,41 +97,93 @@ def _with(opts):
 def embed(bundle, texts, input_file, output_file, backend, device, precision, source, prompt_name, prompt,
           batch_size, max_batch_tokens, normalize, progress):
     """Embed TEXT arguments, --input FILE, or lines on standard input."""
-    import json
-
-    import numpy as np
-
-    items = list(texts)
+    items = [_argument_text(t, i) for i, t in enumerate(texts)]
     if input_file is not None:
-        from mbert.export.texts import load_text_file
+        from mbert.bundle.texts import load_text_file
 
         items += load_text_file(input_file)
     if not items and not sys.stdin.isatty():
-        items = [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
+        items = _stdin_texts()
     if not items:
         raise click.UsageError("no input: give TEXT arguments, --input FILE, or lines on standard input")
-    if output_file is not None and output_file.suffix.lower() not in (".npy", ".jsonl"):
-        raise click.UsageError(f"--output {output_file}: expected a .npy or .jsonl file name")
+    if output_file is not None:
+        _check_output(output_file)
     enc = _open(bundle, backend, device, precision, source,
                 **({"max_batch_tokens": max_batch_tokens} if max_batch_tokens else {}))
     vectors = enc.encode(items, normalize=normalize, batch_size=batch_size, prompt_name=prompt_name,
                          prompt=prompt, show_progress=progress)
     stats = enc.last_stats
-    if output_file is not None and output_file.suffix.lower() == ".npy":
-        output_file.parent.mkdir(parents=True, exist_ok=True)
-        np.save(output_file, vectors)
+    if output_file is None:
+        _write_jsonl(sys.stdout, vectors)
     else:
-        stream = open(output_file, "w", encoding="utf-8") if output_file is not None else sys.stdout
-        try:
-            for i, v in enumerate(vectors):
-                stream.write(json.dumps({"index": i, "embedding": [float(x) for x in v]}) + "\n")
-        finally:
-            if output_file is not None:
-                stream.close()
+        _write_atomically(output_file, vectors)
     click.echo(f"embedded {stats.texts} texts ({stats.tokens} tokens, {stats.truncated} truncated to "
                f"{enc.max_length}) into [{vectors.shape[0]}, {vectors.shape[1]}] in {stats.total_s:.2f}s with "
                f"{enc.backend_name} ({enc.backend.artifact}, {enc.precision})"
                + (f" -> {output_file}" if output_file else ""), err=True)
+
+
+def _argument_text(text: str, index: int) -> str:
+    """A TEXT argument, from the bytes the command line passed (Python keeps bytes that are not
+    UTF-8 as lone surrogates, which no tokenizer accepts)."""
+    raw = os.fsencode(text)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TextFileError(f"TEXT argument {index + 1} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at "
+                            f"position {exc.start})") from None
+
+
+def _stdin_texts() -> list[str]:
+    """Non-blank lines of standard input, decoded as UTF-8 (the line of a bad byte is named)."""
+    texts = []
+    for number, raw in enumerate(sys.stdin.buffer, start=1):
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as exc:
+            raise TextFileError(f"standard input line {number}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} "
+                                f"at position {exc.start})") from None
+        if line.strip():
+            texts.append(line)
+    return texts
+
+
+def _check_output(path: Path) -> None:
+    """--output must end in .npy or .jsonl (any case) and its folder must exist; written as named."""
+    if path.suffix.lower() not in (".npy", ".jsonl"):
+        raise click.UsageError(f"--output {path}: expected a .npy or .jsonl file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise TextFileError(f"--output {path}: folder {parent} does not exist (create it first)")
+
+
+def _write_jsonl(stream, vectors) -> None:
+    import json
+
+    for i, v in enumerate(vectors):
+        stream.write(json.dumps({"index": i, "embedding": [float(x) for x in v]}) + "\n")
+
+
+def _write_atomically(path: Path, vectors) -> None:
+    """Write ``path`` exactly as named (np.save would add .npy to a name ending in .NPY), via a
+    temporary file in the same folder, so a failure leaves no half-written output."""
+    import os
+    import tempfile
+
+    import numpy as np
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "wb" if path.suffix.lower() == ".npy" else "w", **(
+                {} if path.suffix.lower() == ".npy" else {"encoding": "utf-8"})) as f:
+            if path.suffix.lower() == ".npy":
+                np.save(f, vectors)
+            else:
+                _write_jsonl(f, vectors)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 @main.command()
@@ -152,18 +201,21 @@ def parity(bundle, backend, device, precision, source, input_file, max_len, json
 
     texts = None
     if input_file is not None:
-        from mbert.export.texts import load_text_file
+        from mbert.bundle.texts import load_text_file
 
         texts = load_text_file(input_file)
     enc = _open(bundle, backend, device, precision, source)
     report = enc.check_parity(texts, max_len=max_len)
     click.echo(f"parity of {report.artifact} against the eager FP32 model ({len(report.cases)} cases):")
-    click.echo(_table(report.table(), ("output", "max abs err", "worst cosine", "verdict", "worst case")))
+    from .info import table
+
+    click.echo(table(report.table(), ("output", "max abs err", "worst cosine", "verdict", "worst case")))
     for o in report.outputs:
-        click.echo(f"  {o.name}: tolerance atol {o.tolerance.atol:g}, cosine >= {o.tolerance.min_cosine} "
-                   f"({o.tolerance.reason})")
+        click.echo(f"  {o.name}: allowed {o.tolerance.describe()} ({o.tolerance.reason})")
     if json_file is not None:
-        json_file.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+        from mbert.bundle.schema import to_json
+
+        json_file.write_text(json.dumps(to_json(report), indent=2) + "\n", encoding="utf-8")
     report.raise_if_failed()
     click.echo("parity: pass")
 
@@ -175,61 +227,11 @@ def parity(bundle, backend, device, precision, source, input_file, max_len, json
 @_guard
 def info(bundle, source, no_verify):
     """Manifest summary, precision plan, validation results, and the backends usable here."""
-    from mbert.runtime import backends, checks
+    from mbert.bundle import open_bundle
 
-    m = checks.open_manifest(bundle, verify=not no_verify)
-    model, src = m.get("model") or {}, m.get("source") or {}
-    pooling = m.get("pooling")
-    out = [f"bundle      {bundle} ({'files verified' if not no_verify else 'hashes NOT verified'}, "
-           f"format {m.get('format_version')})",
-           f"name        {m.get('name')}   task {m.get('task')}   created {m.get('created', '?')}",
-           f"source      {src.get('id') or src.get('path')}" + (f"@{src['revision']}" if src.get("revision") else ""),
-           f"model       hidden {model.get('hidden_size')}, {model.get('num_hidden_layers')} layers, "
-           f"local attention {model.get('local_attention')}, vocab {model.get('vocab_size')}",
-           f"max length  {m.get('max_seq_len')} tokens (graph); opset {m.get('opset')}",
-           "outputs     " + ", ".join(f"{o['name']} {o['shape']}" for o in m["io"]["outputs"])]
-    if pooling:
-        prompts = ", ".join(f"{k}={v!r}" for k, v in pooling.get("prompts", {}).items()) or "none"
-        out.append(f"pooling     {'+'.join(pooling['modes'])}, normalize {pooling['normalize']}, max_seq_length "
-                   f"{pooling.get('max_seq_length')}, include_prompt {pooling.get('include_prompt')}; prompts: "
-                   f"{prompts} (default {pooling.get('default_prompt_name')})")
-    if m.get("labels"):
-        out.append("labels      " + ", ".join(f"{k}={v}" for k, v in m["labels"].items()))
-    files = m.get("files") or {}
-    out.append("artifacts   " + ", ".join(
-        f"{kind}: {name}" + (f" ({files[name]['bytes'] / 2**20:.1f} MB)" if name in files else "")
-        for kind, name in (m.get("artifacts") or {}).items()))
-    tv = m.get("tool_versions") or {}
-    out.append("built with  " + ", ".join(f"{k} {v}" for k, v in tv.items()))
-    prec = m.get("precision")
-    if prec:
-        out.append(f"\nFP16 precision plan (margin {prec.get('margin')}x, max |x| seen {prec.get('max_abs_seen', 0):.4g}; "
-                   f"FP16 max 65504): FP32 layers {prec.get('fp32_layers') or 'none'}")
-        for d in prec.get("decisions") or []:
-            out.append(f"  {d}")
-    rows = []
-    for artifact, rep in (m.get("validation") or {}).items():
-        for o in rep.get("outputs", []):
-            rows.append((artifact, o["name"], f"{o['max_abs_error']:.2e}", f"{o['worst_cosine']:.7f}",
-                         "pass" if o["passed"] else "FAIL", o.get("worst_case", "")))
-    engine = m.get("engine") or {}
-    for o in (engine.get("validation") or {}).get("outputs", []):
-        rows.append(("model.plan", o["name"], f"{o['max_abs_error']:.2e}", f"{o['worst_cosine']:.7f}",
-                     "pass" if o["passed"] else "FAIL", o.get("worst_case", "")))
-    if rows:
-        out.append("\nValidation at export (against the eager FP32 model):")
-        out.append(_table(rows, ("artifact", "output", "max abs err", "worst cosine", "verdict", "worst case")))
-    if engine:
-        out.append(f"\nTensorRT engine: TensorRT {engine.get('tensorrt_version')}, {engine.get('gpu_name')} "
-                   f"(compute capability {engine.get('compute_capability')}), profiles "
-                   + "; ".join(f"min {p['min']} opt {p['opt']} max {p['max']}" for p in engine.get("profiles") or []))
-    out.append("\nBackends on this machine:")
-    statuses = backends.backend_statuses(Path(bundle), m, source)
-    out.append(_table([(s.name, "yes" if s.usable else "no", s.reason) for s in statuses],
-                      ("backend", "usable", "detail")))
-    usable = [s.name for s in statuses if s.usable and s.name != "eager"]
-    out.append(f"auto picks: {usable[0] if usable else 'nothing (install onnxruntime)'}")
-    click.echo("\n".join(out))
+    from .info import describe
+
+    click.echo(describe(open_bundle(bundle, verify=not no_verify), verified=not no_verify, source=source))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,9 +18,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from mbert.bundle import Bundle, open_bundle
+from mbert.modeling.errors import OptionError
+from mbert.modeling.tokenizer import pad_batch
+
 from . import checks
 from .backends import Backend, open_backend
-from .text import EncodeStats, TextEncoder, l2_normalize, pad_batch, plan_batches, pool, softmax
+from .text import EncodeStats, TextEncoder, l2_normalize, plan_batches, pool, softmax
 
 log = logging.getLogger("mbert.runtime")
 DEFAULT_BATCH_SIZE = 32
@@ -36,25 +40,23 @@ class Encoder:
     tokenizer is read-only after opening, per-call statistics are per thread).
     """
 
-    def __init__(self, path: Path, manifest: dict, backend: Backend, *, batch_size: int = DEFAULT_BATCH_SIZE,
+    def __init__(self, bundle: Bundle, backend: Backend, *, batch_size: int = DEFAULT_BATCH_SIZE,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, progress: bool = False, source=None):
-        from mbert.modeling import PoolingConfig
-
-        if batch_size < 1 or max_batch_tokens < 1:
-            raise ValueError("batch_size and max_batch_tokens must be positive")
-        self.path, self.manifest, self.backend = Path(path), manifest, backend
-        self.task: str = manifest["task"]
-        self.pooling = PoolingConfig.from_dict(manifest["pooling"]) if manifest.get("pooling") else None
-        limits = [manifest["max_seq_len"]] + ([self.pooling.max_seq_length] if self.pooling and self.pooling.max_seq_length else [])
+        self.batch_size = _positive("batch_size", batch_size)
+        self.max_batch_tokens = _positive("max_batch_tokens", max_batch_tokens)
+        self.bundle, self.backend = bundle, backend
+        self.path, self.manifest = bundle.path, bundle.manifest
+        self.task: str = self.manifest.task
+        self.pooling = self.manifest.pooling
+        limits = [self.manifest.max_seq_len] + ([self.pooling.max_seq_length] if self.pooling and self.pooling.max_seq_length else [])
         self.max_length: int = min(limits)
-        self.batch_size, self.max_batch_tokens, self.progress = batch_size, max_batch_tokens, progress
-        self.source = source
-        m = manifest["model"]
-        self.hidden_size: int = m["hidden_size"]
-        self.pad_id: int = m["pad_token_id"]
-        self._special = {i for i in (m.get("cls_token_id"), m.get("sep_token_id"), m["pad_token_id"]) if i is not None}
-        self.labels = {int(k): v for k, v in (manifest.get("labels") or {}).items()}
-        self.text = TextEncoder(self.path / "tokenizer.json", self.max_length)
+        self.progress, self.source = bool(progress), source
+        m = self.manifest.model
+        self.hidden_size: int = m.hidden_size
+        self.pad_id: int = m.pad_token_id
+        self._special = {i for i in (m.cls_token_id, m.sep_token_id, m.pad_token_id) if i is not None}
+        self.labels = {int(k): v for k, v in (self.manifest.labels or {}).items()}
+        self.text = TextEncoder(bundle.path_of("tokenizer.json"), self.max_length)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._warned_truncation = self._warned_pooling = False
@@ -74,11 +76,10 @@ class Encoder:
         (BundleError saying what differs): rebuild it, or pass ``backend="onnxruntime"``.
         ``verify=False`` skips hashing the files (the manifest is still cross-checked).
         """
-        path = Path(path)
-        manifest = checks.open_manifest(path, verify=verify)
-        b = open_backend(path, manifest, backend, device, precision, threads=threads, source=source)
-        return cls(path, manifest, b, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
-                   progress=progress, source=source)
+        bundle = open_bundle(path, verify=verify)
+        b = open_backend(bundle, backend, device, precision, threads=threads, source=source)
+        return cls(bundle, b, batch_size=batch_size, max_batch_tokens=max_batch_tokens, progress=progress,
+                   source=source)
 
     # --- properties --------------------------------------------------------------------------
     @property
@@ -116,10 +117,12 @@ class Encoder:
         prompts) is prepended to every text; without either the declared default prompt is used.
         """
         if self.task != "encoder":
-            raise ValueError(f"encode needs an embedding (encoder) bundle; this one is {self.task!r}: use "
+            raise OptionError(f"encode needs an embedding (encoder) bundle; this one is {self.task!r}: use "
                              + ("fill_mask()" if self.task == "masked-lm" else "predict()"))
         if output not in ("sentence", "tokens"):
-            raise ValueError(f"output must be 'sentence' or 'tokens', got {output!r}")
+            raise OptionError(f"output must be 'sentence' or 'tokens', got {output!r}")
+        if normalize is not None and not isinstance(normalize, bool):
+            raise TypeError(f"normalize must be True, False or None (as the checkpoint declares), got {normalize!r}")
         single, items = _check_inputs(texts, pairs=False)
         prompt = self._resolve_prompt(prompt, prompt_name)
         norm = bool(normalize) if normalize is not None else bool(self.pooling and self.pooling.normalize)
@@ -171,7 +174,7 @@ class Encoder:
         ``(text, text_pair)`` pairs. Token classification: per input, a list of
         ``{"index", "token", "text", "start", "end", "label", "score"}`` for every non-special token."""
         if self.task not in ("sequence-classification", "token-classification"):
-            raise ValueError(f"predict needs a classification bundle; this one is {self.task!r}: use "
+            raise OptionError(f"predict needs a classification bundle; this one is {self.task!r}: use "
                              + ("fill_mask()" if self.task == "masked-lm" else "encode()"))
         token_level = self.task == "token-classification"
         single, items = _check_inputs(inputs, pairs=not token_level)
@@ -206,11 +209,11 @@ class Encoder:
         pipeline: ``[{"score", "token", "token_str", "sequence"}, ...]`` for a text with one mask (a
         list of such lists for several masks; a list of results for a list of texts)."""
         if self.task != "masked-lm":
-            raise ValueError(f"fill_mask needs a masked-LM bundle; this one is {self.task!r}")
+            raise OptionError(f"fill_mask needs a masked-LM bundle; this one is {self.task!r}")
         if self.text.mask_token_id is None:
-            raise ValueError(f"{self.path / 'tokenizer.json'} has no [MASK] token")
+            raise OptionError(f"{self.path / 'tokenizer.json'} has no [MASK] token")
         if not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+            raise OptionError(f"top_k must be a positive int, got {top_k!r}")
         single, items = _check_inputs(text, pairs=False)
         stats, start = EncodeStats(), time.perf_counter()
         encodings = self._tokenize(items, stats)
@@ -220,7 +223,7 @@ class Encoder:
             pos = [p for p, t in enumerate(enc.ids) if t == mask_id]
             if not pos:
                 cut = " (after truncation to the max length)" if i in stats.truncated_indices else ""
-                raise ValueError(f"text[{i}] has no [MASK] token{cut}")
+                raise OptionError(f"text[{i}] has no [MASK] token{cut}")
             positions.append(pos)
         result: list = [None] * len(items)
 
@@ -252,22 +255,23 @@ class Encoder:
     def check_parity(self, texts: Sequence[str] | None = None, *, max_len: int = 1024, source=None):
         """Run this Encoder's backend and the eager PyTorch model on the same real-text cases (the
         built-in set by default, over ``default_grid`` capped at ``max_len`` tokens); returns the
-        export's ``ValidationReport`` (FP32_TOLERANCE for FP32 backends, FP16_TOLERANCES for FP16)."""
-        from mbert.export.fp16 import FP16_TOLERANCES
-        from mbert.export.onnx import GraphModule
-        from mbert.export.texts import calibration_texts
-        from mbert.export.validate import FP32_TOLERANCE, build_cases, compare, default_grid, eager_runner, load_tokenizer
+        export's ``ValidationReport``, judged by the export's stated tolerance for this precision."""
+        from mbert.bundle.texts import calibration_texts
+        from mbert.bundle.validation import build_cases, compare, default_grid, tolerances_for
+        from mbert.modeling.graph import GraphModule, eager_runner
+        from mbert.modeling.tokenizer import load_tokenizer
 
+        _positive("max_len", max_len)
         if self.backend.name == "eager" and source is None:
             reference = self.backend.run
         else:
-            model = checks.load_eager_model(self.path, self.manifest, source or self.source)
+            model = checks.load_eager_model(self.bundle, source or self.source)
             reference = eager_runner(GraphModule(model, self.pooling).eval())
-        m = self.manifest["model"]
-        cap = max(1, min(self.manifest["max_seq_len"], max_len))
-        texts = list(texts) if texts is not None else calibration_texts()
-        cases = build_cases(load_tokenizer(self.path), texts, default_grid(m["local_attention"] // 2, cap),
-                            m["cls_token_id"], m["sep_token_id"], self.pad_id)
+        m = self.manifest.model
+        cap = max(1, min(self.manifest.max_seq_len, max_len))
+        texts = _check_inputs(texts, pairs=False)[1] if texts is not None else calibration_texts()
+        cases = build_cases(load_tokenizer(self.bundle.path_of("tokenizer.json")), texts,
+                            default_grid(m.local_attention // 2, cap), m.cls_token_id, m.sep_token_id, self.pad_id)
 
         def run(ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
             B, T = ids.shape
@@ -277,7 +281,7 @@ class Encoder:
                 mask = np.pad(mask, ((0, 0), (0, L - T)))
             return {k: (v[:, :T] if v.ndim == 3 else v) for k, v in self.backend.run(ids, mask).items()}
 
-        tol = {n: (FP32_TOLERANCE if self.precision == "fp32" else FP16_TOLERANCES[n]) for n in self.backend.output_names}
+        tol = tolerances_for(self.precision, self.backend.output_names)
         return compare(f"{self.backend.artifact} on {self.backend_name}", run, reference, cases, tol)
 
     # --- internals -------------------------------------------------------------------------------
@@ -290,7 +294,7 @@ class Encoder:
         if prompt_name is not None:
             if prompt_name not in prompts:
                 known = ", ".join(sorted(prompts)) or "none"
-                raise ValueError(f"prompt_name {prompt_name!r} is not one of this bundle's prompts ({known}; "
+                raise OptionError(f"prompt_name {prompt_name!r} is not one of this bundle's prompts ({known}; "
                                  "from config_sentence_transformers.json)")
             return prompts[prompt_name]
         default = self.pooling.default_prompt_name if self.pooling else None
@@ -325,8 +329,10 @@ class Encoder:
                  batch_size: int | None, max_batch_tokens: int | None, show_progress: bool | None) -> None:
         t0 = time.perf_counter()
         lengths = [len(e.ids) for e in encodings]
-        batches = list(plan_batches(lengths, batch_size or self.batch_size, max_batch_tokens or self.max_batch_tokens,
-                                    self.backend.pad_to, self.backend.max_batch))
+        batch_size = self.batch_size if batch_size is None else _positive("batch_size", batch_size)
+        max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else _positive("max_batch_tokens",
+                                                                                           max_batch_tokens)
+        batches = list(plan_batches(lengths, batch_size, max_batch_tokens, self.backend.pad_to, self.backend.max_batch))
         stats.batching_s += time.perf_counter() - t0
         bar = _progress(len(encodings), self.progress if show_progress is None else show_progress)
         try:
@@ -355,23 +361,50 @@ class Encoder:
         self._local.stats = stats
 
 
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+_UNORDERED = (set, frozenset, dict, type({}.keys()), type({}.values()), type({}.items()))
+
+
 def _check_inputs(texts, pairs: bool) -> tuple[bool, list]:
-    """(single?, list of inputs); TypeError naming the index of the first input that is not text."""
+    """(single?, list of inputs). Inputs come as a str (a pair of str where ``pairs``) or an ordered
+    collection of them (list, tuple, any sequence or iterator): results follow that order, so an
+    unordered collection (a set, a dict) is refused. TypeError / ValueError naming the index of the
+    first input that is not valid text (not a str, or not encodable as UTF-8: a lone surrogate)."""
     if isinstance(texts, str):
-        return True, [texts]
+        return True, [_valid_text(texts, "text")]
     if pairs and isinstance(texts, tuple) and len(texts) == 2 and all(isinstance(t, str) for t in texts):
-        return True, [texts]
-    if isinstance(texts, (bytes, dict)) or not hasattr(texts, "__iter__"):
+        return True, [tuple(_valid_text(t, f"text[{i}]") for i, t in enumerate(texts))]
+    if isinstance(texts, _UNORDERED):
+        raise TypeError(f"texts is a {type(texts).__name__}, which has no order; pass a list (results follow "
+                        "the order of the input)")
+    if isinstance(texts, (bytes, bytearray)) or not hasattr(texts, "__iter__"):
         raise TypeError(f"expected a string or a list of strings, got {type(texts).__name__}")
     items = list(texts)
     for i, t in enumerate(items):
         if isinstance(t, str):
+            _valid_text(t, f"texts[{i}]")
             continue
         if pairs and isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(x, str) for x in t):
+            for j, x in enumerate(t):
+                _valid_text(x, f"texts[{i}][{j}]")
             continue
         want = "a str or a (text, text_pair) pair of str" if pairs else "a str"
         raise TypeError(f"texts[{i}] is {type(t).__name__} ({t!r:.40}), expected {want}")
     return False, items
+
+
+def _valid_text(text: str, where: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise OptionError(f"{where} is not valid Unicode text: {exc.reason} at position {exc.start} "
+                         f"({text[max(0, exc.start - 10):exc.start]!r} before it)") from None
+    return text
 
 
 def _progress(total: int, enabled: bool):

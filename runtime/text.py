@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from mbert.modeling.errors import TokenizerError
+from mbert.modeling.tokenizer import load_tokenizer
 
 CHARS_PER_TOKEN = 12  # prefix length (per allowed token) at which very long texts are cut before tokenizing
 _WHITESPACE = re.compile(r"\s")
@@ -41,25 +41,12 @@ class EncodeStats:
     pooling_s: float = 0.0  # pooling / normalization / softmax done in the runtime
     total_s: float = 0.0
 
-    @property
-    def overhead_fraction(self) -> float:
-        """Share of the call's time spent outside the backend."""
-        return 1.0 - self.backend_s / self.total_s if self.total_s > 0 else 0.0
-
 
 class TextEncoder:
     """The bundle's tokenizer, truncating to ``max_len`` (no padding: batches pad themselves)."""
 
     def __init__(self, path: Path, max_len: int):
-        from tokenizers import Tokenizer
-
-        if not path.is_file():
-            raise TokenizerError(f"{path}: tokenizer.json not found")
-        try:
-            tok = Tokenizer.from_file(str(path))
-        except Exception as exc:  # noqa: BLE001 - the Rust side raises Exception
-            raise TokenizerError(f"{path}: unreadable tokenizer ({exc})") from exc
-        tok.no_padding()
+        tok = load_tokenizer(path)
         tok.enable_truncation(max_len)  # strategy longest_first, side right: as transformers' defaults
         self.tokenizer, self.max_len = tok, max_len
         self.mask_token_id = tok.token_to_id("[MASK]")
@@ -126,16 +113,6 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int,
         batch.append(i)
     if batch:
         yield batch
-
-
-def pad_batch(rows: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded int64 ids and attention mask of shape [len(rows), length]."""
-    ids = np.full((len(rows), length), pad_id, dtype=np.int64)
-    mask = np.zeros((len(rows), length), dtype=np.int64)
-    for r, row in enumerate(rows):
-        ids[r, : len(row)] = row
-        mask[r, : len(row)] = 1
-    return ids, mask
 
 
 def pool(hidden: np.ndarray, mask: np.ndarray, modes: Sequence[str], normalize: bool) -> np.ndarray:

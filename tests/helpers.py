@@ -3,7 +3,8 @@
 transformers' default init (std 0.02) leaves each layer's contribution tiny next to the
 embedding, so wrong windows, thetas or activations hide behind cosines of 0.99999. Here every
 matrix is redrawn with std 1/sqrt(fan_in) and every norm weight is perturbed, so each layer
-matters (``test_pitfalls.py`` proves the comparisons then fail on each known porting mistake).
+matters (``tests/test_modeling.py::test_parity_check_catches_pitfall`` proves the comparisons
+then fail on each known porting mistake). ``SMALL`` is the one size preset of the small models.
 """
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from pathlib import Path
 
 import torch
 
+from mbert.modeling.random import informative_init_
+
 FIXTURES = Path(__file__).parent / "fixtures"
+# The one size preset of the small test models (layers and window vary per test).
+SMALL = dict(hidden_size=128, num_attention_heads=2, intermediate_size=192, local_attention=32)
 TEXTS = [
     "It's time for tea.",
     "The quick brown fox jumps over the lazy dog.",
@@ -24,24 +29,6 @@ TEXTS = [
 
 def fixture_config(name: str) -> dict:
     return json.loads((FIXTURES / name / "config.json").read_text())
-
-
-def informative_init_(model: torch.nn.Module, seed: int) -> None:
-    """Redraw every weight so that every layer matters (see module docstring)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Embedding):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=g))
-            elif isinstance(module, torch.nn.Linear):
-                w = module.weight
-                w.copy_(torch.randn(w.shape, generator=g) / w.shape[1] ** 0.5)
-            elif isinstance(module, torch.nn.LayerNorm):
-                module.weight.copy_(1.0 + 0.2 * torch.randn(module.weight.shape, generator=g))
-            else:
-                continue
-            if getattr(module, "bias", None) is not None:
-                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=g))
 
 
 def make_checkpoint(
@@ -133,3 +120,112 @@ def random_batch(lengths: list[int], vocab: int = 50368, seed: int = 0):
         ids[i, 0] = 50281
         mask[i, :n] = 1
     return ids, mask
+
+
+# --- the runtime tests' bundles ------------------------------------------------------------------
+
+MAX_LEN = 128  # bundles are exported at 128 tokens, so ordinary text is truncated and padded
+PROMPTS = {"query": "search_query: ", "document": "search_document: "}
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+RUNTIME_TEXTS = [
+    "It's time for tea.",
+    "The quick brown fox jumps over the lazy dog.",
+    "how do rotary position embeddings work?",
+    "def add(a, b):\n    return a + b\n",
+    "A short one.",
+    "x",
+    " ".join(["Sliding-window attention lets every token see its neighbours within a fixed band, while "
+              "every third layer attends globally across the whole sequence."] * 12),  # > 128 tokens
+    "Les modèles d'encodage produisent des vecteurs; 多语言文本 también funciona. " * 3,
+    " ".join(f"item {i}: value {i * i}" for i in range(60)),  # > 128 tokens
+    "What is the capital of France?",
+]
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+
+
+class Bundles:
+    """Checkpoints and bundles built on first use under ``root`` (SMALL, 3 layers; 1 for heads), each
+    exported once with the real pipeline at ``MAX_LEN`` tokens."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._made: dict[str, Path] = {}
+
+    def checkpoint(self, kind: str) -> Path:
+        key = f"ck-{kind}"
+        if key not in self._made:
+            self._made[key] = self._checkpoint(kind, self.root / key)
+        return self._made[key]
+
+    def bundle(self, kind: str) -> Path:
+        """The FP32 bundle of checkpoint(kind); kind "mean-fp16" is the same checkpoint with --fp16."""
+        if kind not in self._made:
+            from mbert.export.options import ExportOptions
+            from mbert.export.pipeline import export_bundle
+
+            fp16 = kind.endswith("-fp16")
+            out = self.root / f"bundle-{kind}"
+            export_bundle(self.checkpoint(kind.removesuffix("-fp16")),
+                          ExportOptions(out=out, max_seq_len=MAX_LEN, fp16=fp16, engine=False))
+            self._made[kind] = out
+        return self._made[kind]
+
+    def copy(self, kind: str, dest: Path) -> Path:
+        """A private copy of bundle(kind) to tamper with."""
+        shutil.copytree(self.bundle(kind), dest)
+        return dest
+
+    def sentence_transformer(self, kind: str):
+        from sentence_transformers import SentenceTransformer
+
+        model = SentenceTransformer(str(self.checkpoint(kind)), device="cpu")
+        model.max_seq_length = MAX_LEN
+        return model
+
+    @staticmethod
+    def _checkpoint(kind: str, folder: Path) -> Path:
+        layers = dict(SMALL, num_hidden_layers=3)
+        head = dict(SMALL, num_hidden_layers=1)  # heads need no local layers (the encoder bundles cover them)
+        labels = dict(id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+        if kind == "cls":  # CLS pooling, no Normalize; prompts kept in pooling
+            make_checkpoint(folder, base="gte-modernbert-base", layout="cls-pooling", seed=1, **layers)
+            write_json(folder / "config_sentence_transformers.json", {"prompts": PROMPTS, "default_prompt_name": None})
+        elif kind == "mean":  # mean + Normalize; prompts excluded from pooling
+            make_checkpoint(folder, base="gte-modernbert-base", layout="mean-normalize", seed=2, **layers)
+            write_json(folder / "config_sentence_transformers.json", {"prompts": PROMPTS, "default_prompt_name": None})
+            write_json(folder / "sentence_bert_config.json", {"max_seq_length": MAX_LEN, "do_lower_case": False})
+            pool = json.loads((folder / "1_Pooling" / "config.json").read_text())
+            write_json(folder / "1_Pooling" / "config.json", dict(pool, include_prompt=False))
+        elif kind == "seqcls":
+            make_checkpoint(folder, arch="ModernBertForSequenceClassification", seed=3, classifier_pooling="mean",
+                            **labels, **head)
+        elif kind == "tokcls":
+            make_checkpoint(folder, arch="ModernBertForTokenClassification", seed=4, **labels, **head)
+        elif kind == "mlm":
+            make_checkpoint(folder, arch="ModernBertForMaskedLM", seed=5, **head)
+        else:
+            raise KeyError(kind)
+        return folder
+
+
+def edit_manifest(folder: Path, edit, reseal: bool = True) -> None:
+    """Edit a bundle's manifest.json as JSON. ``reseal`` recomputes its seal afterwards, as a careful
+    hand-edit would, so that the checks behind the seal (types, paths, cross-checks) must catch it."""
+    from mbert.bundle.manifest import manifest_digest
+
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    if reseal:
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+    path.write_text(json.dumps(manifest, indent=2))
+
+
+def cosines(a, b):
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))

@@ -10,31 +10,33 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import make_checkpoint, random_batch
-from mbert.export import bundle as bundle_mod
-from mbert.export.onnx import GraphModule, graph_opset, to_onnx
-from mbert.export.pipeline import ExportOptions, export_bundle
-from mbert.export.texts import calibration_texts
-from mbert.export.validate import FP32_TOLERANCE, build_cases, compare, default_grid, eager_runner, load_tokenizer, onnx_runner
+from helpers import SMALL, make_checkpoint, random_batch
+from mbert.bundle import FORMAT_VERSION, open_bundle
+from mbert.bundle.texts import calibration_texts
+from mbert.bundle.validation import FP32_TOLERANCE, build_cases, compare, default_grid
+from mbert.export.onnx import graph_opset, to_onnx
+from mbert.export.options import ExportOptions
+from mbert.export.pipeline import export_bundle
+from mbert.export.runners import onnx_runner
 from mbert.modeling import BundleError, load_model, load_pooling
+from mbert.modeling.graph import GraphModule, eager_runner
+from mbert.modeling.tokenizer import load_tokenizer
 from mbert.runtime import pool
-
-SMALL = dict(hidden_size=128, num_attention_heads=2, intermediate_size=192)
 VARIANTS = {
-    "base": ("modernbert-base", "ModernBertModel", dict(num_hidden_layers=4, **SMALL)),
+    "base": ("modernbert-base", "ModernBertModel", dict(SMALL, num_hidden_layers=4)),
     "large-widths": ("modernbert-large", "ModernBertModel", dict(num_hidden_layers=3)),
-    "gte-cls": ("gte-modernbert-base", "ModernBertModel", dict(num_hidden_layers=3, local_attention=16, **SMALL)),
+    "gte-cls": ("gte-modernbert-base", "ModernBertModel", dict(SMALL, num_hidden_layers=3, local_attention=16)),
     "w16-every2-hd32-silu": ("modernbert-base", "ModernBertModel",
                              dict(num_hidden_layers=4, local_attention=16, global_attn_every_n_layers=2, hidden_size=128,
                                   num_attention_heads=4, intermediate_size=192, hidden_activation="silu")),
     "equal-thetas-tanh": ("modernbert-base", "ModernBertModel",
-                          dict(num_hidden_layers=4, local_attention=32, global_rope_theta=10000.0,
-                               hidden_activation="gelu_pytorch_tanh", **SMALL)),
-    "masked-lm": ("modernbert-base", "ModernBertForMaskedLM", dict(num_hidden_layers=3, local_attention=16, **SMALL)),
+                          dict(SMALL, num_hidden_layers=4, global_rope_theta=10000.0,
+                               hidden_activation="gelu_pytorch_tanh")),
+    "masked-lm": ("modernbert-base", "ModernBertForMaskedLM", dict(SMALL, num_hidden_layers=3, local_attention=16)),
     "seq-cls-mean": ("modernbert-base", "ModernBertForSequenceClassification",
-                     dict(num_hidden_layers=3, local_attention=16, num_labels=3, classifier_pooling="mean", **SMALL)),
+                     dict(SMALL, num_hidden_layers=3, num_labels=3, classifier_pooling="mean", local_attention=16)),
     "token-cls": ("modernbert-base", "ModernBertForTokenClassification",
-                  dict(num_hidden_layers=3, local_attention=16, num_labels=5, **SMALL)),
+                  dict(SMALL, num_hidden_layers=3, num_labels=5, local_attention=16)),
 }
 
 
@@ -62,7 +64,7 @@ def test_variant_exports_and_validates(tmp_path, name):
 def embed_bundle(tmp_path_factory):
     root = tmp_path_factory.mktemp("bundle")
     folder = make_checkpoint(root / "ck", "gte-modernbert-base", seed=22, layout="mean-normalize",
-                             num_hidden_layers=3, local_attention=32, **SMALL)
+                             num_hidden_layers=3, **SMALL)
     result = export_bundle(folder, ExportOptions(out=root / "out", max_seq_len=512))
     return folder, result
 
@@ -73,13 +75,15 @@ def test_bundle_contents_and_manifest(embed_bundle):
     for name in ("model.onnx", "tokenizer.json", "config.json", "modules.json", "1_Pooling/config.json",
                  "sentence_bert_config.json", "manifest.json"):
         assert (b / name).is_file(), name
-    m = bundle_mod.read_manifest(b)  # verifies every hash
-    assert m["format_version"] == bundle_mod.FORMAT_VERSION and m["opset"] == 18 and m["max_seq_len"] == 512
-    assert m["source"]["path"] == str(folder.resolve())
-    assert [o["name"] for o in m["io"]["outputs"]] == ["last_hidden_state", "sentence_embedding"]
-    assert m["pooling"]["modes"] == ["mean"] and m["pooling"]["normalize"] is True
-    assert m["validation"]["model.onnx"]["passed"] is True
-    assert set(m["tool_versions"]) >= {"torch", "onnx", "onnxruntime", "mbert-export"}
+    m = open_bundle(b).manifest  # verifies every hash and cross-checks the manifest
+    assert m.format_version == FORMAT_VERSION and m.max_seq_len == 512
+    (graph,) = m.graphs
+    assert graph.file == "model.onnx" and graph.opset == 18 and graph.validation.passed
+    assert m.source.path == str(folder.resolve())
+    assert m.io.output_names == ("last_hidden_state", "sentence_embedding")
+    assert m.pooling.modes == ("mean",) and m.pooling.normalize is True
+    assert set(m.tool_versions) >= {"torch", "onnx", "onnxruntime", "mbert-export"}
+    assert {"triton/README.md", "model.onnx", "tokenizer.json"} <= set(m.files)  # triton/ is sealed too
     assert not list(b.parent.glob(".*partial*"))
 
 
@@ -131,12 +135,14 @@ def test_validation_can_fail(embed_bundle, tmp_path):
 
 
 def test_interrupted_export_leaves_no_bundle(tmp_path, monkeypatch):
-    folder = make_checkpoint(tmp_path / "ck", seed=23, num_hidden_layers=2, local_attention=16, **SMALL)
+    folder = make_checkpoint(tmp_path / "ck", seed=23, num_hidden_layers=2, **dict(SMALL, local_attention=16))
 
     def boom(*a, **k):
         raise KeyboardInterrupt  # the user presses Ctrl-C while files are being written
 
-    monkeypatch.setattr(bundle_mod, "copy_side_files", boom)
+    import mbert.modeling.checkpoint
+
+    monkeypatch.setattr(mbert.modeling.checkpoint, "copy_side_files", boom)
     with pytest.raises(KeyboardInterrupt):
         export_bundle(folder, ExportOptions(out=tmp_path / "out", max_seq_len=128))
     assert not (tmp_path / "out").exists()
@@ -155,7 +161,7 @@ def _cli(*args):
 
 
 def test_cli_corrupt_checkpoint_is_one_line(tmp_path):
-    folder = make_checkpoint(tmp_path / "ck", seed=24, num_hidden_layers=2, local_attention=16, **SMALL)
+    folder = make_checkpoint(tmp_path / "ck", seed=24, num_hidden_layers=2, **dict(SMALL, local_attention=16))
     (folder / "model.safetensors").write_bytes(b"\x00" * 100)
     proc = _cli(folder, "--out", tmp_path / "out")
     assert proc.returncode == 1
@@ -168,7 +174,7 @@ def test_cli_corrupt_checkpoint_is_one_line(tmp_path):
 
 def test_cli_exports_and_prints_summary(tmp_path):
     folder = make_checkpoint(tmp_path / "ck", "gte-modernbert-base", seed=25, layout="cls-pooling",
-                             num_hidden_layers=2, local_attention=16, **SMALL)
+                             num_hidden_layers=2, **dict(SMALL, local_attention=16))
     proc = _cli(folder, "--out", tmp_path / "out", "--max-seq-len", "256")
     assert proc.returncode == 0, proc.stderr
     assert "[1/4] load" in proc.stderr and "[4/4] write" in proc.stderr
@@ -177,3 +183,13 @@ def test_cli_exports_and_prints_summary(tmp_path):
     assert manifest["pooling"]["modes"] == ["cls"] and manifest["pooling"]["normalize"] is False
     again = _cli(folder, "--out", tmp_path / "out")
     assert again.returncode == 1 and "--overwrite" in again.stderr
+
+
+def test_export_help_is_instant_and_imports_nothing_heavy():
+    code = ("import sys\nfrom mbert.export.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "heavy = [m for m in ('torch', 'onnxruntime', 'tokenizers', 'numpy') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--random-checkpoint" in done.stdout and "--engine-only" in done.stdout

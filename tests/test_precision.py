@@ -11,15 +11,15 @@ import pytest
 import torch
 from onnx import TensorProto, numpy_helper
 
-from helpers import make_checkpoint, random_batch
-from mbert.export.pipeline import ExportOptions, export_bundle
+from helpers import SMALL, make_checkpoint, random_batch
+from mbert.export.options import ExportOptions
+from mbert.export.pipeline import export_bundle
 from mbert.export.precision import (
     FP16_MAX, LayerPlan, Plan, ScanReport, SiteStat, load_precision, plan, scan, to_mixed_precision,
 )
-from mbert.export.validate import onnx_runner
+from mbert.export.runners import onnx_runner
 from mbert.modeling import PrecisionError, load_model, load_pooling
 
-SMALL = dict(hidden_size=128, num_attention_heads=2, intermediate_size=192, local_attention=32)
 OVERFLOW_LAYER = 1
 # Layer 1's MLP output matrix x30000: its output and the residual stream after it reach ~9e4,
 # past FP16's 65504, while FP32 handles them exactly.
@@ -58,19 +58,22 @@ def test_plan_names_the_layer(overflow_bundle):
     assert lp.mlp == "float32" and lp.residual == "float32"
     assert p.layers[0] == LayerPlan(0)  # the layer before the overflow stays all FP16
     assert all(p.layers[i].attention == "float16" for i in range(4))  # attention never needed FP32
-    assert result.manifest["precision"]["fp32_layers"] == [1, 2, 3]
+    assert result.manifest.precision.fp32_layers == (1, 2, 3)
 
 
 def test_ours_finite_and_accurate_where_naive_breaks(overflow_bundle):
     _, result = overflow_bundle
-    v = result.manifest["validation"]["model.fp16.onnx"]
-    assert v["passed"]
-    ours = {o["name"]: o for o in v["outputs"]}
-    assert ours["sentence_embedding"]["finite"] and ours["sentence_embedding"]["worst_cosine"] >= 0.9999
-    naive = {o["name"]: o for o in v["naive_fp16"]["outputs"]}
-    assert not naive["sentence_embedding"]["finite"] or naive["sentence_embedding"]["worst_cosine"] < 0.9
-    assert not naive["last_hidden_state"]["finite"]
-    assert set(v["per_layer_kind"]) == {"global", "local"}
+    m = result.manifest
+    v = m.graph("fp16").validation
+    assert v.passed
+    ours = {o.name: o for o in v.outputs}
+    assert ours["sentence_embedding"].finite and ours["sentence_embedding"].worst_cosine >= 0.9999
+    naive = {o.name: o for o in m.precision.naive_fp16.outputs}
+    assert not naive["sentence_embedding"].finite or naive["sentence_embedding"].worst_cosine < 0.9
+    assert not naive["last_hidden_state"].finite
+    assert set(m.precision.per_layer_kind) == {"global", "local"}
+    # the note telling how to build the engine later names the bundle, never the staging folder
+    assert f"mbert-export --engine-only {result.bundle}" in result.engine_note and "partial" not in result.engine_note
 
 
 def test_heavily_padded_fp16_batch_is_finite(overflow_bundle):

@@ -13,23 +13,22 @@ import pytest
 
 from mbert.modeling.errors import BundleError
 from mbert.runtime import Encoder
-from test_runtime_support import (MAX_LEN, PROMPTS, TEXTS, bundle, copy_bundle, cosines, edit_manifest, fp16_bundle,
-                                  sentence_transformer)
+from helpers import LABELS, MAX_LEN, PROMPTS, RUNTIME_TEXTS as TEXTS, cosines, edit_manifest
 
 
 @pytest.fixture(scope="module")
-def cls_encoder():
-    return Encoder.from_bundle(bundle("cls"), backend="onnxruntime", device="cpu")
+def cls_encoder(bundles):
+    return Encoder.from_bundle(bundles.bundle("cls"), backend="onnxruntime", device="cpu")
 
 
 @pytest.fixture(scope="module")
-def mean_encoder():
-    return Encoder.from_bundle(bundle("mean"))
+def mean_encoder(bundles):
+    return Encoder.from_bundle(bundles.bundle("mean"))
 
 
 @pytest.fixture(scope="module")
-def st_models():
-    return {"cls": sentence_transformer("cls"), "mean": sentence_transformer("mean")}
+def st_models(bundles):
+    return {"cls": bundles.sentence_transformer("cls"), "mean": bundles.sentence_transformer("mean")}
 
 
 # --- equality with sentence-transformers ----------------------------------------------------------
@@ -79,12 +78,12 @@ def test_normalize_override(cls_encoder, mean_encoder, st_models):
 
 
 def test_bundle_without_pooling_mean_pools_like_sentence_transformers(cls_encoder, st_models):
-    enc = Encoder(cls_encoder.path, dict(cls_encoder.manifest, pooling=None), cls_encoder.backend)
+    enc = Encoder(replace(cls_encoder.bundle, manifest=replace(cls_encoder.manifest, pooling=None)), cls_encoder.backend)
     with pytest.warns(UserWarning, match="declares no sentence-transformers pooling; using mean pooling"):
         got = enc.encode(TEXTS[:5])
     tokens = st_models["cls"].encode(TEXTS[:5], output_value="token_embeddings")
     np.testing.assert_allclose(got, np.stack([t.numpy().mean(axis=0) for t in tokens]), atol=1e-4, rtol=1e-4)
-    assert enc.dimension == 256
+    assert enc.dimension == 128
 
 
 @pytest.mark.parametrize("kind", ["cls", "mean"])
@@ -106,8 +105,9 @@ def test_prompts_match_sentence_transformers(kind, cls_encoder, mean_encoder, st
 
 
 def test_default_prompt_name_is_honoured(mean_encoder):
-    enc = Encoder(mean_encoder.path, mean_encoder.manifest, mean_encoder.backend)
-    enc.pooling = replace(enc.pooling, default_prompt_name="query")
+    pooling = replace(mean_encoder.pooling, default_prompt_name="query")
+    enc = Encoder(replace(mean_encoder.bundle, manifest=replace(mean_encoder.manifest, pooling=pooling)),
+                  mean_encoder.backend)
     np.testing.assert_allclose(enc.encode(TEXTS[:4]), mean_encoder.encode(TEXTS[:4], prompt_name="query"), atol=1e-6)
     np.testing.assert_allclose(enc.encode(TEXTS[:4], prompt=""), mean_encoder.encode(TEXTS[:4]), atol=1e-6)
 
@@ -145,7 +145,7 @@ def test_empty_single_and_bad_inputs(cls_encoder):
 
 
 def test_truncation_is_counted_per_call_and_warned_once(cls_encoder):
-    enc = Encoder(cls_encoder.path, cls_encoder.manifest, cls_encoder.backend)
+    enc = Encoder(cls_encoder.bundle, cls_encoder.backend)
     long_text = TEXTS[6]
     assert enc.max_length == MAX_LEN
     with pytest.warns(UserWarning, match=r"1 of 2 inputs are longer than 128 tokens"):
@@ -172,7 +172,7 @@ def test_batches_are_padded_to_multiples_of_8_and_cut_by_token_budget(cls_encode
             seen.append(ids.shape)
             return original(ids, mask, outputs)
 
-    enc = Encoder(cls_encoder.path, cls_encoder.manifest, Spy(), max_batch_tokens=256)
+    enc = Encoder(cls_encoder.bundle, Spy(), max_batch_tokens=256)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = enc.encode(TEXTS * 3, batch_size=8)
@@ -215,22 +215,22 @@ def test_concurrent_encode_equals_sequential(mean_encoder):
 
 # --- parity, backends ----------------------------------------------------------------------------
 
-def test_check_parity_fp32_and_fp16(cls_encoder):
+def test_check_parity_fp32_and_fp16(bundles, cls_encoder):
     report = cls_encoder.check_parity()
-    assert report.passed, report.to_dict()
+    assert report.passed, report.table()
     assert {o.name for o in report.outputs} == {"last_hidden_state", "sentence_embedding"}
     assert all(o.tolerance.min_cosine == 0.99999 for o in report.outputs)
-    fp16 = Encoder.from_bundle(fp16_bundle(), backend="onnxruntime", precision="fp16")
+    fp16 = Encoder.from_bundle(bundles.bundle("mean-fp16"), backend="onnxruntime", precision="fp16")
     assert fp16.precision == "fp16" and fp16.backend.artifact == "model.fp16.onnx"
     report16 = fp16.check_parity(texts=TEXTS)
     assert report16.passed and report16.outputs[0].tolerance.min_cosine < 0.99999
 
 
-def test_eager_backend_matches_onnx_and_names_missing_source(cls_encoder, tmp_path):
-    eager = Encoder.from_bundle(bundle("cls"), backend="eager")
+def test_eager_backend_matches_onnx_and_names_missing_source(bundles, cls_encoder, tmp_path):
+    eager = Encoder.from_bundle(bundles.bundle("cls"), backend="eager")
     assert eager.backend_name == "eager"
     np.testing.assert_allclose(eager.encode(TEXTS[:5]), cls_encoder.encode(TEXTS[:5]), atol=1e-4)
-    copy = copy_bundle("cls", tmp_path / "b")
+    copy = bundles.copy("cls", tmp_path / "b")
     edit_manifest(copy, lambda m: m["source"].update(path=str(tmp_path / "gone"), id=None, given="/data/ck"))
     with pytest.raises(BundleError, match=r"needs the checkpoint .*/data/ck.*source="):
         Encoder.from_bundle(copy, backend="eager")
@@ -239,62 +239,62 @@ def test_eager_backend_matches_onnx_and_names_missing_source(cls_encoder, tmp_pa
         Encoder.from_bundle(copy).check_parity()
 
 
-def test_backend_choice_errors(tmp_path):
+def test_backend_choice_errors(bundles, tmp_path):
     with pytest.raises(ValueError, match="unknown backend"):
-        Encoder.from_bundle(bundle("cls"), backend="cuda-magic")
-    with pytest.raises(BundleError, match="no model.fp16.onnx.*--fp16"):
-        Encoder.from_bundle(bundle("cls"), precision="fp16")
+        Encoder.from_bundle(bundles.bundle("cls"), backend="cuda-magic")
+    with pytest.raises(BundleError, match="no fp16 graph.*--fp16"):
+        Encoder.from_bundle(bundles.bundle("cls"), precision="fp16")
     with pytest.raises(BundleError, match="no TensorRT engine.*--engine-only"):
-        Encoder.from_bundle(bundle("cls"), backend="tensorrt")
+        Encoder.from_bundle(bundles.bundle("cls"), backend="tensorrt")
     with pytest.raises(ValueError, match="eager backend is the FP32 reference"):
-        Encoder.from_bundle(bundle("cls"), backend="eager", precision="fp16")
+        Encoder.from_bundle(bundles.bundle("cls"), backend="eager", precision="fp16")
 
 
 # --- tampering -----------------------------------------------------------------------------------
 
-def test_swapped_model_file_is_refused(tmp_path):
-    copy = copy_bundle("cls", tmp_path / "b")
-    (copy / "model.onnx").write_bytes((bundle("mean") / "model.onnx").read_bytes())
+def test_swapped_model_file_is_refused(bundles, tmp_path):
+    copy = bundles.copy("cls", tmp_path / "b")
+    (copy / "model.onnx").write_bytes((bundles.bundle("mean") / "model.onnx").read_bytes())
     with pytest.raises(BundleError, match=r"model\.onnx differs from the file the manifest recorded"):
         Encoder.from_bundle(copy)
 
 
-def test_missing_file_and_wrong_format_version_are_refused(tmp_path):
-    copy = copy_bundle("cls", tmp_path / "b")
+def test_missing_file_and_wrong_format_version_are_refused(bundles, tmp_path):
+    copy = bundles.copy("cls", tmp_path / "b")
     (copy / "tokenizer.json").unlink()
     with pytest.raises(BundleError, match=r"tokenizer\.json is missing"):
         Encoder.from_bundle(copy)
-    copy2 = copy_bundle("cls", tmp_path / "c")
+    copy2 = bundles.copy("cls", tmp_path / "c")
     edit_manifest(copy2, lambda m: m.update(format_version=99))
-    with pytest.raises(BundleError, match=r"format version 99.*re-export"):
+    with pytest.raises(BundleError, match=r"format_version 99 is an unknown bundle format.*re-export"):
         Encoder.from_bundle(copy2)
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda m: m["model"].update(hidden_size=512), r"model\.hidden_size is 512 in the manifest, 256 in config\.json"),
+    (lambda m: m["model"].update(hidden_size=512), r"model\.hidden_size is 512 in the manifest, 128 in config\.json"),
     (lambda m: m["pooling"].update(normalize=True), r"pooling is .* but modules\.json"),
     (lambda m: m["io"]["outputs"].pop(), r"io\.outputs"),
-    (lambda m: m.update(max_seq_len=100000), r"max_seq_len 100000 is outside 1\.\.8192"),
+    (lambda m: m.update(max_seq_len=100000), r"max_seq_len 100000 exceeds max_position_embeddings 8192"),
     (lambda m: m.update(task="masked-lm"), r"task is 'masked-lm' in the manifest"),
-    (lambda m: m["artifacts"].update(onnx_fp32="other.onnx"), r"other\.onnx\) is not covered"),
+    (lambda m: m["graphs"][0].update(file="other.onnx"), r"graphs\[0\]\.file: 'other\.onnx' is not covered"),
 ])
-def test_edited_manifest_is_refused(tmp_path, edit, message):
-    copy = copy_bundle("cls", tmp_path / "b")
+def test_edited_manifest_is_refused(bundles, tmp_path, edit, message):
+    copy = bundles.copy("cls", tmp_path / "b")
     edit_manifest(copy, edit)
     with pytest.raises(BundleError, match=message) as err:
         Encoder.from_bundle(copy)
     assert "re-export" in str(err.value).lower()
 
 
-def test_manifest_digest_covers_values_no_file_records(tmp_path):
-    from mbert.runtime import manifest_digest
+def test_manifest_digest_covers_values_no_file_records(bundles, tmp_path):
+    from mbert.bundle.manifest import manifest_digest
 
-    copy = copy_bundle("cls", tmp_path / "b")
+    copy = bundles.copy("cls", tmp_path / "b")
     assert "manifest_sha256" in json.loads((copy / "manifest.json").read_text())  # the exporter seals it
     edit_manifest(copy, lambda m: m.update(manifest_sha256=manifest_digest(m)))
     assert Encoder.from_bundle(copy).max_length == MAX_LEN  # a sealed manifest opens
     edit_manifest(copy, lambda m: m.update(max_seq_len=64), reseal=False)
-    with pytest.raises(BundleError, match="edited after export"):
+    with pytest.raises(BundleError, match=r"manifest_sha256 does not match .*edited after export"):
         Encoder.from_bundle(copy)
 
 
@@ -305,7 +305,7 @@ def test_long_text_prefix_tokenization_equals_full_truncation():
 
     from tokenizers import Tokenizer
 
-    from mbert.export.texts import calibration_texts
+    from mbert.bundle.texts import calibration_texts
     from mbert.runtime.text import TextEncoder
 
     path = Path(__file__).parent / "fixtures" / "modernbert-base" / "tokenizer.json"
@@ -339,3 +339,25 @@ def test_runtime_pooling_equals_sentence_transformers(modes):
     np.testing.assert_allclose(pool(hidden, mask, modes, False), want, atol=1e-5)
     normed = want / np.linalg.norm(want, axis=-1, keepdims=True)
     np.testing.assert_allclose(pool(hidden, mask, modes, True), normed, atol=1e-5)
+
+
+# --- arguments (issue 8, defect 13) -------------------------------------------------------------------
+
+def test_unordered_inputs_and_bad_arguments_are_refused(cls_encoder):
+    with pytest.raises(TypeError, match="texts is a set, which has no order"):
+        cls_encoder.encode({"a", "b"})
+    with pytest.raises(TypeError, match="texts is a dict"):
+        cls_encoder.encode({"a": 1})
+    assert cls_encoder.encode(iter(["a", "b"])).shape == (2, cls_encoder.dimension)  # an iterator has an order
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"batch_size must be a positive integer, got {bad!r}"):
+            cls_encoder.encode(["a"], batch_size=bad)
+    with pytest.raises(ValueError, match="max_batch_tokens must be a positive integer"):
+        cls_encoder.encode(["a"], max_batch_tokens=0)
+    for bad in ("no", 0, 1):
+        with pytest.raises(TypeError, match="normalize must be True, False or None"):
+            cls_encoder.encode(["a"], normalize=bad)
+    with pytest.raises(ValueError, match=r"texts\[1\] is not valid Unicode text: surrogates not allowed at position 3"):
+        cls_encoder.encode(["fine", "bad\ud800text"])
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        Encoder.from_bundle(cls_encoder.path, batch_size=0)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from mbert.modeling.errors import BundleError
 from mbert.runtime import Encoder
 from mbert.runtime.cli import main
-from test_runtime_support import TEXTS, bundle, copy_bundle, edit_manifest, fp16_bundle
+from helpers import LABELS, MAX_LEN, PROMPTS, RUNTIME_TEXTS as TEXTS, cosines, edit_manifest
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +21,13 @@ def runner():
 
 
 @pytest.fixture(scope="module")
-def encoder():
-    return Encoder.from_bundle(bundle("mean"), device="cpu")
+def encoder(bundles):
+    return Encoder.from_bundle(bundles.bundle("mean"), device="cpu")
 
 
-def _error_line(result) -> str:
+def _error_line(result, code: int = 1) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == code, result.output
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     return lines[0]
 
@@ -41,8 +41,8 @@ def test_help_is_instant_and_imports_nothing_heavy():
     assert "embed" in done.stdout and "parity" in done.stdout and "info" in done.stdout
 
 
-def test_info_summarizes_manifest_validation_and_backends(runner):
-    result = runner.invoke(main, ["info", str(fp16_bundle())])
+def test_info_summarizes_manifest_validation_and_backends(bundles, runner):
+    result = runner.invoke(main, ["info", str(bundles.bundle("mean-fp16"))])
     assert result.exit_code == 0, result.output
     out = result.stdout
     for needle in ("task encoder", "pooling     mean, normalize True", "prompts: query='search_query: '",
@@ -51,9 +51,9 @@ def test_info_summarizes_manifest_validation_and_backends(runner):
         assert needle in out, needle
 
 
-def test_embed_npy_jsonl_and_stdin(runner, encoder, tmp_path):
+def test_embed_npy_jsonl_and_stdin(bundles, runner, encoder, tmp_path):
     npy = tmp_path / "v.npy"
-    result = runner.invoke(main, ["embed", str(bundle("mean")), *TEXTS[:3], "--output", str(npy),
+    result = runner.invoke(main, ["embed", str(bundles.bundle("mean")), *TEXTS[:3], "--output", str(npy),
                                   "--prompt-name", "query", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "embedded 3 texts" in result.stderr and "with onnxruntime-cpu (model.onnx, fp32)" in result.stderr
@@ -62,7 +62,7 @@ def test_embed_npy_jsonl_and_stdin(runner, encoder, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps({"text": t}) for t in TEXTS[:4]) + "\n", encoding="utf-8")
     out = tmp_path / "v.jsonl"
-    result = runner.invoke(main, ["embed", str(bundle("mean")), "--input", str(src), "--output", str(out),
+    result = runner.invoke(main, ["embed", str(bundles.bundle("mean")), "--input", str(src), "--output", str(out),
                                   "--no-normalize", "--batch-size", "2"])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -70,29 +70,59 @@ def test_embed_npy_jsonl_and_stdin(runner, encoder, tmp_path):
     np.testing.assert_allclose(np.array([r["embedding"] for r in rows]), encoder.encode(TEXTS[:4], normalize=False),
                                atol=1e-5)
 
-    result = runner.invoke(main, ["embed", str(bundle("mean")), "--no-progress"], input="one\ntwo\n")
+    result = runner.invoke(main, ["embed", str(bundles.bundle("mean")), "--no-progress"], input="one\ntwo\n")
     assert result.exit_code == 0, result.output
     assert len(result.stdout.splitlines()) == 2
 
 
-def test_parity_command(runner):
-    result = runner.invoke(main, ["parity", str(bundle("cls")), "--max-len", "64"])
+def test_parity_command(bundles, runner):
+    result = runner.invoke(main, ["parity", str(bundles.bundle("cls")), "--max-len", "64"])
     assert result.exit_code == 0, result.output
     assert "parity: pass" in result.stdout and "sentence_embedding" in result.stdout
 
 
-def test_errors_are_one_line_and_debug_shows_the_exception(runner, tmp_path):
+def test_errors_are_one_line_and_debug_shows_the_exception(bundles, runner, tmp_path):
     line = _error_line(runner.invoke(main, ["info", str(tmp_path / "nope")]))
     assert "no such bundle folder" in line
     line = _error_line(runner.invoke(main, ["embed", str(tmp_path / "nope"), "x"]))
     assert "no such bundle folder" in line
-    copy = copy_bundle("cls", tmp_path / "b")
+    copy = bundles.copy("cls", tmp_path / "b")
     edit_manifest(copy, lambda m: m["model"].update(vocab_size=7))
     line = _error_line(runner.invoke(main, ["embed", str(copy), "x"]))
     assert "model.vocab_size is 7 in the manifest" in line
-    line = _error_line(runner.invoke(main, ["embed", str(bundle("cls")), "x", "--prompt-name", "nope"]))
+    line = _error_line(runner.invoke(main, ["embed", str(bundles.bundle("cls")), "x", "--prompt-name", "nope"]), 2)
     assert "prompt_name 'nope'" in line
     result = runner.invoke(main, ["--debug", "info", str(copy)])
     assert result.exit_code != 0 and isinstance(result.exception, BundleError)
-    usage = runner.invoke(main, ["embed", str(bundle("cls")), "x", "--output", str(tmp_path / "v.csv")])
+    usage = runner.invoke(main, ["embed", str(bundles.bundle("cls")), "x", "--output", str(tmp_path / "v.csv")])
     assert usage.exit_code == 2 and ".npy or .jsonl" in usage.stderr
+
+
+# --- output names and text validation (issue 8, defect 12) -------------------------------------------
+
+def test_output_is_written_exactly_as_named(bundles, runner, encoder, tmp_path):
+    for name in ("V.NPY", "v.Npy"):
+        result = runner.invoke(main, ["embed", str(bundles.bundle("mean")), "x", "--output", str(tmp_path / name),
+                                      "--no-progress"])
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / name).is_file() and np.load(tmp_path / name).shape == (1, encoder.dimension)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["V.NPY", "v.Npy"]  # no V.NPY.npy, no temp files
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".jsonl"])
+def test_a_missing_output_folder_is_one_error_for_every_format(bundles, runner, tmp_path, suffix):
+    target = tmp_path / "missing" / f"v{suffix}"
+    line = _error_line(runner.invoke(main, ["embed", str(bundles.bundle("mean")), "x", "--output", str(target)]))
+    assert line == f"error: --output {target}: folder {target.parent} does not exist (create it first)"
+
+
+def test_invalid_utf8_input_names_its_place(bundles, tmp_path):
+    b = str(bundles.bundle("mean"))
+    arg = subprocess.run([sys.executable.encode(), b"-m", b"mbert.runtime.cli", b"embed", b.encode(), b"ok",
+                          b"bad \xff byte"], capture_output=True, timeout=300)
+    assert arg.returncode == 1
+    assert b"error: TEXT argument 2 is not valid UTF-8 (byte 0xff at position 4)" in arg.stderr
+    stdin = subprocess.run([sys.executable, "-m", "mbert.runtime.cli", "embed", b], input=b"fine\nbad \xfe\n",
+                           capture_output=True, timeout=300)
+    assert stdin.returncode == 1
+    assert b"error: standard input line 2: not valid UTF-8 (byte 0xfe at position 4)" in stdin.stderr

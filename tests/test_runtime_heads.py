@@ -9,29 +9,32 @@ import numpy as np
 import pytest
 import torch
 
-from mbert.export.tensorrt import Profile, tensorrt_available
+from dataclasses import replace
+
+from mbert.bundle import EngineRecord, Profile, open_bundle
 from mbert.modeling.errors import BundleError, EngineError
 from mbert.runtime import Encoder, check_engine, engine_problems, padded_length
 from mbert.runtime.backends import open_backend
-from mbert.runtime.checks import check_graph_io, open_manifest
-from test_runtime_support import LABELS, MAX_LEN, TEXTS, bundle, checkpoint, copy_bundle
+from mbert.runtime.checks import check_graph_io
+from mbert.runtime.tensorrt import tensorrt_available
+from helpers import LABELS, MAX_LEN, PROMPTS, RUNTIME_TEXTS as TEXTS, cosines, edit_manifest
 
 TRT_OK, TRT_REASON = tensorrt_available()
 
 
-def _hf(kind: str, cls_name: str):
+def _hf(bundles, kind: str, cls_name: str):
     import transformers
 
-    folder = checkpoint(kind)
+    folder = bundles.checkpoint(kind)
     model = getattr(transformers, cls_name).from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval(), transformers.AutoTokenizer.from_pretrained(folder)
 
 
 # --- sequence classification -----------------------------------------------------------------------
 
-def test_predict_sequence_classification_equals_transformers():
-    enc = Encoder.from_bundle(bundle("seqcls"))
-    model, tok = _hf("seqcls", "AutoModelForSequenceClassification")
+def test_predict_sequence_classification_equals_transformers(bundles):
+    enc = Encoder.from_bundle(bundles.bundle("seqcls"))
+    model, tok = _hf(bundles, "seqcls", "AutoModelForSequenceClassification")
     singles = TEXTS[:6]
     pairs = [(TEXTS[i], TEXTS[i + 1]) for i in range(0, 8, 2)] + [(TEXTS[6], TEXTS[8])]  # the last two: truncated
     with warnings.catch_warnings():
@@ -58,9 +61,9 @@ def test_predict_sequence_classification_equals_transformers():
         enc.encode(["a"])
 
 
-def test_predict_token_classification_equals_transformers():
-    enc = Encoder.from_bundle(bundle("tokcls"))
-    model, tok = _hf("tokcls", "AutoModelForTokenClassification")
+def test_predict_token_classification_equals_transformers(bundles):
+    enc = Encoder.from_bundle(bundles.bundle("tokcls"))
+    model, tok = _hf(bundles, "tokcls", "AutoModelForTokenClassification")
     texts = TEXTS[:4]
     got = enc.predict(texts)
     with torch.no_grad():
@@ -80,11 +83,11 @@ def test_predict_token_classification_equals_transformers():
 
 # --- masked LM -------------------------------------------------------------------------------------
 
-def test_fill_mask_equals_transformers_pipeline():
+def test_fill_mask_equals_transformers_pipeline(bundles):
     import transformers
 
-    enc = Encoder.from_bundle(bundle("mlm"))
-    folder = checkpoint("mlm")
+    enc = Encoder.from_bundle(bundles.bundle("mlm"))
+    folder = bundles.checkpoint("mlm")
     pipe = transformers.pipeline("fill-mask", model=str(folder), tokenizer=str(folder), device="cpu")
     text = "The capital of France is [MASK]."
     got = enc.fill_mask(text, top_k=5)
@@ -93,7 +96,7 @@ def test_fill_mask_equals_transformers_pipeline():
     np.testing.assert_allclose([g["score"] for g in got], [w["score"] for w in want], atol=1e-5)
     assert [g["token_str"].strip() for g in got] == [w["token_str"].strip() for w in want]
     assert [g["sequence"] for g in got] == [w["sequence"] for w in want]
-    model, tok = _hf("mlm", "AutoModelForMaskedLM")
+    model, tok = _hf(bundles, "mlm", "AutoModelForMaskedLM")
     with torch.no_grad():
         batch = tok([text], return_tensors="pt")
         pos = int((batch["input_ids"][0] == tok.mask_token_id).nonzero()[0, 0])
@@ -104,7 +107,7 @@ def test_fill_mask_equals_transformers_pipeline():
     with pytest.raises(ValueError, match=r"text\[1\] has no \[MASK\]"):
         enc.fill_mask(["a [MASK]", "no mask here"])
     with pytest.raises(ValueError, match="fill_mask needs a masked-LM"):
-        Encoder.from_bundle(bundle("seqcls")).fill_mask("a [MASK]")
+        Encoder.from_bundle(bundles.bundle("seqcls")).fill_mask("a [MASK]")
     assert enc.check_parity(texts=TEXTS, max_len=32).passed
 
 
@@ -125,8 +128,15 @@ def test_padded_length_rounds_to_8_and_respects_profiles():
 
 # --- TensorRT: compatibility checks with fake manifest entries --------------------------------------
 
-ENGINE = {"tensorrt_version": "10.12.0.36", "gpu_name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
-          "profiles": [{"min": [1, 1], "opt": [16, 128], "max": [32, 128]}]}
+ENGINE = EngineRecord(file="model.onnx", onnx="model.onnx", tensorrt_version="10.12.0.36",
+                      gpu_name="NVIDIA H100 80GB HBM3", compute_capability="9.0",
+                      profiles=(Profile((1, 1), (16, 128), (32, 128)),), workspace_gib=4.0,
+                      builder_optimization_level=3, build_seconds=1.0, validation=None)
+
+
+def _with_engine(bundle):
+    """The bundle as opened, with ENGINE in its manifest (no plan exists: only the checks run)."""
+    return replace(bundle, manifest=replace(bundle.manifest, engine=ENGINE))
 
 
 def test_engine_problems_compares_version_and_compute_capability():
@@ -137,31 +147,29 @@ def test_engine_problems_compares_version_and_compute_capability():
     assert "TensorRT version: plan built with 10.12.0.36, this machine has 10.13.1" in ver
     assert len(engine_problems(ENGINE, "11.0", "12.0")) == 2
     assert "records no engine" in engine_problems(None, "10.12", "9.0")[0]
-    with pytest.raises(BundleError, match=r"cannot run here: GPU compute capability.*mbert-export --engine-only /b"):
-        check_engine(__import__("pathlib").Path("/b"), {"engine": ENGINE}, "10.12.0.36", "8.0")
 
-
-def test_plan_without_tensorrt_falls_back_or_explains():
-    path = bundle("cls")
-    manifest = open_manifest(path)
-    faked = dict(manifest, engine=ENGINE, artifacts=dict(manifest["artifacts"], engine="model.plan"))
+def test_plan_without_tensorrt_falls_back_or_explains(bundles):
+    opened = open_bundle(bundles.bundle("cls"))
+    faked = _with_engine(opened)
+    with pytest.raises(BundleError, match=r"cannot run here: GPU compute capability.*mbert-export --engine-only "):
+        check_engine(faked, "10.12.0.36", "8.0")
     if not TRT_OK:
-        assert open_backend(path, faked, "auto").name == "onnxruntime-cpu"
+        assert open_backend(faked, "auto").name == "onnxruntime-cpu"
         with pytest.raises(EngineError, match="TensorRT cannot run here"):
-            open_backend(path, faked, "tensorrt")
+            open_backend(faked, "tensorrt")
     with pytest.raises(ValueError, match="plan is FP16"):
-        open_backend(path, faked, "tensorrt", precision="fp32")
+        open_backend(faked, "tensorrt", precision="fp32")
     with pytest.raises(BundleError, match=r"outputs \['logits'\].*re-export"):
-        check_graph_io(path, manifest, "model.onnx", ["input_ids", "attention_mask"], ["logits"])
+        check_graph_io(opened, "model.onnx", ["input_ids", "attention_mask"], ["logits"])
 
 
 @pytest.mark.skipif(not TRT_OK, reason=f"TensorRT unavailable: {TRT_REASON}")
-def test_tensorrt_backend_matches_onnx_runtime(tmp_path):  # pragma: no cover - needs a GPU
+def test_tensorrt_backend_matches_onnx_runtime(bundles, tmp_path):  # pragma: no cover - needs a GPU
     import threading
 
     from mbert.export.engine_only import build_for_bundle
 
-    copy = copy_bundle("mean", tmp_path / "b")
+    copy = bundles.copy("mean", tmp_path / "b")
     build_for_bundle(copy, max_batch=8)
     trt_enc = Encoder.from_bundle(copy)
     assert trt_enc.backend_name == "tensorrt" and trt_enc.precision == "fp16"
@@ -183,20 +191,20 @@ def test_tensorrt_backend_matches_onnx_runtime(tmp_path):  # pragma: no cover - 
 
 @pytest.mark.filterwarnings("ignore:.*truncated")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to torch")
-def test_gpu_machine_without_tensorrt_or_ort_cuda():  # pragma: no cover - needs a GPU
+def test_gpu_machine_without_tensorrt_or_ort_cuda(bundles):  # pragma: no cover - needs a GPU
     from mbert.runtime.backends import _ort_cuda_available
     from mbert.runtime.checks import current_gpu
 
     name, capability = current_gpu()
     major, minor = capability.split(".")
     assert name != "none" and major.isdigit() and minor.isdigit()
-    manifest = open_manifest(bundle("cls"))
-    assert engine_problems(dict(ENGINE, compute_capability=capability, tensorrt_version="x"), "x", capability) == []
-    eager = Encoder.from_bundle(bundle("cls"), backend="eager", device="cuda")
-    ort = Encoder.from_bundle(bundle("cls"), backend="onnxruntime", device="cpu")
+    opened = open_bundle(bundles.bundle("cls"))
+    assert engine_problems(replace(ENGINE, compute_capability=capability, tensorrt_version="x"), "x", capability) == []
+    eager = Encoder.from_bundle(bundles.bundle("cls"), backend="eager", device="cuda")
+    ort = Encoder.from_bundle(bundles.bundle("cls"), backend="onnxruntime", device="cpu")
     np.testing.assert_allclose(eager.encode(TEXTS), ort.encode(TEXTS), atol=2e-3)
-    assert eager.check_parity(max_len=256, source=checkpoint("cls")).passed  # CUDA eager vs CPU eager
+    assert eager.check_parity(max_len=256, source=bundles.checkpoint("cls")).passed  # CUDA eager vs CPU eager
     if not TRT_OK and not _ort_cuda_available()[0]:
-        assert open_backend(bundle("cls"), manifest, "auto").name == "onnxruntime-cpu"
+        assert open_backend(opened, "auto").name == "onnxruntime-cpu"
         with pytest.raises(BundleError, match="neither TensorRT nor ONNX Runtime CUDA"):
-            open_backend(bundle("cls"), manifest, "auto", device="cuda")
+            open_backend(opened, "auto", device="cuda")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mbert.export.texts import calibration_texts, load_text_file
+from mbert.bundle.texts import calibration_texts, load_text_file
 
 try:
     from mbert.modeling.errors import TextFileError

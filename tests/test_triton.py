@@ -17,7 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
-from mbert.export.tensorrt import Profile, profiles_from  # noqa: E402
+from mbert.bundle import Profile  # noqa: E402
+from mbert.export.tensorrt import profiles_from  # noqa: E402
 from mbert.export.triton import Enum, to_pbtxt, write_triton_repository  # noqa: E402
 from mbert.modeling.errors import BundleError  # noqa: E402
 
@@ -223,7 +224,7 @@ def test_repository_without_plan(bundle: Path):
 def test_repository_with_plan_and_trt_ensemble(bundle: Path):
     (bundle / "model.plan").write_bytes(b"not a real engine")
     manifest = json.loads((bundle / "manifest.json").read_text())
-    profiles = [p.as_lists() for p in profiles_from(16, 64)]  # manifest form is accepted too
+    profiles = profiles_from(16, 64)
     repo = write_triton_repository(bundle, manifest, has_plan=True, profiles=profiles,
                                    max_batch=16, preferred_batch_sizes=[8, 4],
                                    max_queue_delay_us=100, ensemble_target="trt")

@@ -1,7 +1,7 @@
 """Texts used to validate exported models on real input and to calibrate FP16 overflow scans.
 
 :func:`calibration_texts` returns the built-in set that ships with the package (the ``.txt``
-files of ``mbert/export/texts/``, one document per file: queries of a few words up to a
+files of ``mbert/bundle/texts/``, one document per file: queries of a few words up to a
 document of several thousand tokens; prose, dialogue, legal text, mixed languages, markdown,
 JSON, logs, tables and source code).  :func:`load_text_file` reads a user's own file.
 """
@@ -20,7 +20,7 @@ __all__ = ["calibration_texts", "load_text_file"]
 
 @functools.lru_cache(maxsize=1)
 def _builtin_texts() -> tuple[str, ...]:
-    folder = files("mbert.export") / "texts"
+    folder = files("mbert.bundle") / "texts"
     entries = sorted(
         (entry for entry in folder.iterdir() if entry.name.endswith(".txt") and entry.is_file()),
         key=lambda entry: entry.name,

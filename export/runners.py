@@ -1,0 +1,39 @@
+"""Runners for the comparisons: ``ids, mask -> {output name: array}``."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from mbert.modeling.graph import Runner
+
+
+def onnx_runner(path: Path, providers: Sequence[str] = ("CPUExecutionProvider",), threads: int | None = None) -> Runner:
+    """``path`` on ONNX Runtime."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), opts, providers=list(providers))
+    names = [o.name for o in session.get_outputs()]
+
+    def run(ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        return dict(zip(names, session.run(names, {"input_ids": ids, "attention_mask": mask})))
+
+    return run
+
+
+def memoize(run: Runner) -> Runner:
+    """``run`` remembering its outputs per input array, so the eager reference of a case is computed
+    once however many graphs are compared against it (the cases are long-lived objects)."""
+    seen: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
+
+    def cached(ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        hit = seen.get(id(ids))
+        if hit is None or hit[0] is not ids:
+            hit = seen[id(ids)] = (ids, run(ids, mask))
+        return hit[1]
+
+    return cached

@@ -1,0 +1,284 @@
+"""The export as a transaction, under bad input and faults (issue 8's numbered defects, one or more
+tests each), driven through the ``mbert-export`` command line as a user would."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import SMALL, make_checkpoint, write_json
+from mbert.bundle import open_bundle
+
+TINY = dict(SMALL, num_hidden_layers=2, local_attention=16)
+
+
+def cli(*args, cwd=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "mbert.export.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def error_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "internal error:"))]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("faults") / "ck", "gte-modernbert-base", seed=40,
+                           layout="cls-pooling", **TINY)
+
+
+@pytest.fixture(scope="module")
+def exported(ck, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("exported") / "b"
+    proc = cli(ck, "--out", out, "--max-seq-len", "64")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+# 1. --overwrite deleted any folder holding a file named manifest.json --------------------------------
+
+def test_overwrite_refuses_a_folder_that_is_not_a_bundle(ck, tmp_path):
+    ext = tmp_path / "web-extension"
+    ext.mkdir()
+    write_json(ext / "manifest.json", {"manifest_version": 3, "name": "my extension"})
+    (ext / "background.js").write_text("console.log('hi')")
+    before = snapshot(ext)
+    proc = cli(ck, "--out", ext, "--overwrite", "--max-seq-len", "64")
+    assert proc.returncode == 1
+    assert "--overwrite replaces only a bundle written by mbert-export" in error_line(proc)
+    assert snapshot(ext) == before
+
+
+def test_overwrite_replaces_a_bundle_of_this_tool(ck, exported, tmp_path):
+    import shutil
+
+    out = tmp_path / "b"
+    shutil.copytree(exported, out)
+    old = json.loads((out / "manifest.json").read_text())["created"]
+    time.sleep(1.1)
+    proc = cli(ck, "--out", out, "--overwrite", "--max-seq-len", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert open_bundle(out).manifest.created != old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+# 3. the exporter followed modules.json paths out of the bundle -----------------------------------------
+
+def test_modules_json_paths_are_confined(ck, tmp_path):
+    import shutil
+
+    evil = tmp_path / "ck-evil"
+    shutil.copytree(ck, evil)
+    modules = json.loads((evil / "modules.json").read_text())
+    modules.append({"idx": 2, "name": "2", "path": "../escape", "type": "sentence_transformers.models.Normalize"})
+    write_json(evil / "modules.json", modules)
+    (tmp_path / "escape").mkdir()
+    write_json(tmp_path / "escape" / "config.json", {"planted": True})
+    out = tmp_path / "exports" / "b"
+    proc = cli(evil, "--out", out, "--max-seq-len", "64")
+    assert proc.returncode == 1
+    line = error_line(proc)
+    assert "modules.json" in line and "'../escape/config.json'" in line and "leads out of its folder" in line
+    assert not (tmp_path / "exports" / "escape").exists() and not out.exists()
+
+
+# 5. --max-seq-len 1 wrote a fixed sequence axis; 0 read as "not given" ----------------------------
+
+@pytest.mark.parametrize("value", ["0", "1", "-5"])
+def test_too_small_max_seq_len_is_refused_before_any_work(ck, tmp_path, value):
+    proc = cli(ck, "--out", tmp_path / "b", "--max-seq-len", value)
+    assert proc.returncode == 2
+    assert "--max-seq-len must be an integer >= 2" in error_line(proc) and "[2/4] trace" not in proc.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def test_smallest_max_seq_len_keeps_the_sequence_axis_dynamic(ck, tmp_path):
+    import numpy as np
+    import onnx
+
+    from mbert.runtime import Encoder
+
+    proc = cli(ck, "--out", tmp_path / "b", "--max-seq-len", "2")
+    assert proc.returncode == 0, proc.stderr
+    graph = onnx.load(str(tmp_path / "b" / "model.onnx"), load_external_data=False).graph
+    assert [[d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.input] == [["batch", "sequence"]] * 2
+    enc = Encoder.from_bundle(tmp_path / "b")
+    with pytest.warns(UserWarning, match="truncated"):
+        vectors = enc.encode(["a long text, cut to two tokens", "x", ""])
+    assert vectors.shape == (3, 128) and np.isfinite(vectors).all()
+
+
+# 6. killed exports left .NAME.partial-PID folders forever; SIGTERM -----------------------------------
+
+def _start(ck: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mbert.export.cli", str(ck), "--out", str(out),
+                             "--max-seq-len", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_partial(proc: subprocess.Popen, parent: Path) -> Path:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        found = [p for p in parent.glob(".*.partial-*") if (p / "model.onnx").exists()]
+        if found:
+            return found[0]
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError("the export never started writing")
+
+
+def test_sigterm_is_an_interrupt_and_leaves_nothing(ck, tmp_path):
+    proc = _start(ck, tmp_path / "b")
+    _wait_for_partial(proc, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted: no bundle was written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_next_export_removes_what_a_killed_one_left(ck, tmp_path):
+    proc = _start(ck, tmp_path / "b")
+    partial = _wait_for_partial(proc, tmp_path)
+    proc.kill()  # kill -9: no handler runs
+    proc.communicate(timeout=60)
+    assert partial.exists()
+    again = cli(ck, "--out", tmp_path / "other", "--max-seq-len", "64")  # another target, same parent
+    assert again.returncode == 0, again.stderr
+    assert f"removed {partial}" in again.stderr and not partial.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+
+
+# 7. two exports to the same --out both "succeeded" -------------------------------------------------
+
+def test_a_second_concurrent_export_to_the_same_out_stops_at_once(ck, tmp_path):
+    from mbert.export.transaction import lock
+
+    with lock(tmp_path / "b"):  # an export to b is running (this process holds its lock)
+        started = time.monotonic()
+        proc = cli(ck, "--out", tmp_path / "b", "--max-seq-len", "64")
+        took = time.monotonic() - started
+    assert proc.returncode == 1 and "another export to this folder is running" in error_line(proc)
+    assert "[2/4] trace" not in proc.stderr and took < 120 and not (tmp_path / "b").exists()
+
+
+# 8. token ids beyond vocab_size surfaced as "internal error" after the trace -----------------------
+
+def test_special_token_id_beyond_the_embedding_table_names_the_config(tmp_path):
+    folder = make_checkpoint(tmp_path / "ck", seed=41, **TINY)
+    config = json.loads((folder / "config.json").read_text())
+    write_json(folder / "config.json", dict(config, pad_token_id=60000))  # transformers cannot even build it
+    proc = cli(folder, "--out", tmp_path / "b")
+    assert proc.returncode == 1 and "[2/4] trace" not in proc.stderr
+    line = error_line(proc)
+    assert str(folder / "config.json") in line and "'pad_token_id' is 60000" in line and "vocab_size 50368" in line
+
+
+def test_tokenizer_ids_beyond_the_embedding_table_name_the_tokenizer(tmp_path):
+    folder = make_checkpoint(tmp_path / "ck", seed=42, vocab_size=50000, pad_token_id=0, cls_token_id=1,
+                             sep_token_id=2, bos_token_id=1, eos_token_id=2, **TINY)
+    proc = cli(folder, "--out", tmp_path / "b")
+    assert proc.returncode == 1 and "[2/4] trace" not in proc.stderr
+    line = error_line(proc)
+    assert str(folder / "tokenizer.json") in line and "outside the model's embedding table (vocab_size 50000" in line
+
+
+# 9. options were checked only after the trace or the scan -------------------------------------------
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--margin", "0"], 2, "--margin must be a finite number >= 1"),
+    (["--margin", "-3"], 2, "--margin must be a finite number >= 1"),
+    (["--margin", "nan"], 2, "--margin must be a finite number >= 1"),
+    (["--max-batch", "0"], 2, "--max-batch must be an integer >= 1"),
+    (["--opt-batch", "64"], 2, "--opt-batch 64 exceeds --max-batch 32"),
+    (["--workspace-gib", "-1"], 2, "--workspace-gib must be a positive number"),
+    (["--calibration", "/no/such/texts.txt"], 1, "/no/such/texts.txt: text file not found"),
+    (["--split-seq", "512,64"], 2, "--split-seq must be strictly increasing"),
+])
+def test_options_are_checked_before_any_work(ck, tmp_path, args, code, message):
+    started = time.monotonic()
+    proc = cli(ck, "--out", tmp_path / "b", "--fp16", "--max-seq-len", "1024", *args)
+    assert proc.returncode == code and message in error_line(proc)
+    assert "[1/8] load" not in proc.stderr and not (tmp_path / "b").exists()
+    assert time.monotonic() - started < 60
+
+
+# 10. NaN weights were reported against a temp path and an ONNX name; user errors exited 2 -------------
+
+def test_non_finite_weights_name_the_checkpoint_tensor(ck, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "ck-nan"
+    shutil.copytree(ck, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    state["layers.1.mlp.Wo.weight"][3, 5] = float("nan")
+    state["layers.0.attn.Wqkv.weight"][0, 0] = float("inf")
+    save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    proc = cli(bad, "--out", tmp_path / "b")
+    assert proc.returncode == 1 and "[2/4] trace" not in proc.stderr
+    line = error_line(proc)
+    assert str(bad / "model.safetensors") in line
+    assert "layers.0.attn.Wqkv.weight, layers.1.mlp.Wo.weight" in line and "partial" not in line
+    assert torch.isnan(state["layers.1.mlp.Wo.weight"]).any()  # the file really held a NaN
+
+
+def test_an_out_that_cannot_be_written_is_a_user_error(ck, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    proc = cli(ck, "--out", tmp_path / "a-file" / "b", "--max-seq-len", "64")
+    assert proc.returncode == 1
+    assert error_line(proc).startswith(f"error: {tmp_path / 'a-file'}")
+
+
+def test_a_bug_is_exit_3_and_usage_is_exit_2(ck, tmp_path):
+    usage = cli(ck, "--engine-only", tmp_path)
+    assert usage.returncode == 2 and "give exactly one of MODEL" in usage.stderr
+    assert cli("--no-such-option").returncode == 2
+
+
+# 11. without --out, "build the engine later" named the staging folder -------------------------------
+
+@pytest.fixture(scope="module")
+def fp16_exported(ck, tmp_path_factory):
+    """``mbert-export CK --fp16 --no-engine`` run without --out, from an empty folder."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    proc = cli(ck, "--fp16", "--no-engine", "--max-seq-len", "64", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    return proc, cwd / "engines" / ck.name
+
+
+def test_engine_later_line_names_the_bundle_not_the_staging_folder(ck, fp16_exported):
+    proc, bundle = fp16_exported
+    assert f"mbert-export --engine-only {Path('engines') / ck.name}\n" in proc.stdout + "\n"
+    assert "partial" not in proc.stdout and (bundle / "model.fp16.onnx").is_file()
+
+
+# 4. a failed --engine-only deleted the plan and the bundle no longer opened -------------------------
+
+def test_a_failed_engine_only_leaves_the_bundle_byte_identical(fp16_exported, tmp_path):
+    import shutil
+
+    from mbert.runtime import Encoder
+
+    b = tmp_path / "b"
+    shutil.copytree(fp16_exported[1], b)
+    before = snapshot(b)
+    proc = cli("--engine-only", b)
+    assert proc.returncode == 1 and error_line(proc)
+    assert snapshot(b) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+    assert Encoder.from_bundle(b, precision="fp16").encode("still opens").shape == (128,)
