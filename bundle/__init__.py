@@ -25,13 +25,16 @@ from mbert.modeling.config import ModernBertConfig
 
 from .check import cross_check, model_info
 from mbert.modeling.paths import inside
-from .manifest import (FORMAT_VERSION, IO, MANIFEST, EngineRecord, FileEntry, GraphRecord, LayerKindError,
-                       Manifest, ModelInfo, PrecisionRecord, Profile, Source, TritonRecord, read, read_raw, write)
+from .engine import (BuilderOptions, EngineRecord, EngineValidation, Gpu, PrecisionWalkRecord, Profile, SitePrecision,
+                     TensorRTVerdict)
+from .manifest import (FORMAT_VERSION, IO, MANIFEST, FileEntry, GraphRecord, LayerKindError, Manifest, ModelInfo,
+                       PrecisionRecord, Source, TritonRecord, read, read_raw, write)
 from mbert.modeling.paths import RelPath, check_relpath
 
 __all__ = [
     "Bundle", "open_bundle", "FORMAT_VERSION", "MANIFEST", "IO", "EngineRecord", "FileEntry", "GraphRecord",
     "LayerKindError", "Manifest", "ModelInfo", "PrecisionRecord", "Profile", "Source", "TritonRecord",
+    "BuilderOptions", "EngineValidation", "Gpu", "PrecisionWalkRecord", "SitePrecision", "TensorRTVerdict",
     "RelPath", "check_relpath", "cross_check", "inside", "model_info", "read", "read_raw", "write",
 ]
 

@@ -158,7 +158,8 @@ def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod
         tool_versions=_tool_versions(), task=cfg.task,
         labels={str(k): v for k, v in cfg.id2label.items()} or None, model=model_info(cfg),
         max_seq_len=ctx.max_len, io=io, pooling=ctx.pooling, graphs=tuple(graphs),
-        precision=fp16.record if fp16 else None, engine=engine.record if engine else None)
+        precision=(replace(fp16.record, naive_fp16_tensorrt=engine.naive) if engine else fp16.record) if fp16 else None,
+        engine=engine.record if engine else None)
     triton = repository_for(ctx.staging, manifest, max_batch=ctx.options.max_batch)
     return write(ctx.staging, replace(manifest, triton=triton))
 

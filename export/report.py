@@ -44,7 +44,7 @@ def summary(result) -> str:
     if m.precision is not None and m.precision.naive_fp16 is not None:
         rows += validation_rows("naive fp16 (reference only)", m.precision.naive_fp16, verdicts=False)
     if m.engine is not None and m.engine.validation is not None:
-        rows += validation_rows(m.engine.file, m.engine.validation)
+        rows += validation_rows(m.engine.file, m.engine.validation.report)
     parts.append("\nValidation against the eager FP32 model (worst over the real-text grid):")
     parts.append(table(rows, ("artifact", "output", "max abs err", "worst cosine", "verdict")))
     if result.fp16 is not None:
@@ -54,6 +54,8 @@ def summary(result) -> str:
         decisions = m.precision.decisions
         parts.append("FP32 decisions: " + ("; ".join(decisions) if decisions
                                            else "none (every site fits FP16 with the margin)"))
+        if m.precision.naive_fp16_tensorrt is not None:
+            parts.append("naive fp16 on TensorRT (reference only): " + m.precision.naive_fp16_tensorrt.describe())
     if result.engine_note:
         parts.append("\n" + result.engine_note)
     return "\n".join(parts)

@@ -183,7 +183,8 @@ def model_name(bundle_name: str) -> str:
 
 def repository_for(folder: Path, manifest: Manifest, *, max_batch: int) -> TritonRecord:
     """Write ``folder/triton/`` for the bundle ``manifest`` describes; returns the manifest's record of it."""
-    has_plan = manifest.engine is not None
+    # Triton's tensorrt_plan backend links datacenter TensorRT: it cannot load a TensorRT-RTX plan
+    has_plan = manifest.engine is not None and manifest.engine.family == "tensorrt"
     graph = manifest.graph("fp16") or manifest.graph("fp32")
     raw = {"name": manifest.name, "max_seq_len": manifest.max_seq_len, "io": to_json(manifest.io),
            "model": {"pad_token_id": manifest.model.pad_token_id}}
@@ -380,7 +381,7 @@ runs with --exit-on-error=false).
 To enable it, on a machine with the serving GPU and the TensorRT version of your Triton release:
 
 1. Build the engine from the bundle's ONNX file, for example:
-       from mbert.export.tensorrt import build_engine, profiles_from
+       from mbert.export.trt_build import build_engine, profiles_from
        build_engine("model.fp16.onnx", "model.plan", profiles_from(MAX_BATCH, MAX_SEQ_LEN))
    (profiles must accept batch 1..max_batch_size of config.pbtxt and the full sequence range),
    or rewrite the repository with write_triton_repository(..., has_plan=True, profiles=...).

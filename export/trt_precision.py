@@ -41,11 +41,14 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mbert.bundle.engine import PrecisionWalkRecord, SitePrecision
+from mbert.bundle.schema import to_json
 from mbert.modeling.errors import PrecisionError
+from mbert.modeling.paths import check_relpath
 from mbert.runtime.trt_family import resolve_family
 
 from .precision import Plan
@@ -101,13 +104,23 @@ class PrecisionWalk:
         return [s.site for s in self.sites if s.tensorrt == "float32"]
 
     def to_dict(self) -> dict:
-        return {"family": self.family, "version": self.version, "onnx": self.onnx, "passed": self.passed,
-                "problems": list(self.problems), "fp32_sites": self.fp32_sites, "network": self.network,
-                "unplaced": self.unplaced, "layers": self.layer_rows(), "sites": [asdict(s) for s in self.sites],
-                "table": self.table()}  # the rendered table, so a reader needs no code from mbert.export
+        """The walk as JSON, with what is derived from it: the verdict, the FP32 sites, the per-layer
+        rows and the rendered table (so a reader needs no code from mbert.export)."""
+        return {**to_json(self), "passed": self.passed, "fp32_sites": self.fp32_sites, "layers": self.layer_rows(),
+                "table": self.table()}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    def record(self, file: str) -> PrecisionWalkRecord:
+        """The manifest's summary of this walk, saved as ``file``."""
+        compute = self.network["compute"]
+        sites = tuple(SitePrecision(s.site, s.plan, s.tensorrt, s.compute_fp16, s.compute_fp32, s.passed)
+                      for s in self.sites)
+        return PrecisionWalkRecord(check_relpath(file, "precision walk file"), check_relpath(self.onnx, "onnx"),
+                                   self.family, self.version, self.passed,
+                                   compute.get("float16", 0) + compute.get("bfloat16", 0), compute.get("float32", 0),
+                                   tuple(self.fp32_sites), sites, self.problems)
 
     def raise_if_failed(self) -> None:
         if self.problems:

@@ -25,26 +25,31 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from mbert.bundle.engine import FAMILIES, LABELS, Gpu
 from mbert.modeling.errors import EngineError
 
 __all__ = [
-    "FAMILIES", "ENGINE_CHOICES", "MODULES", "EXTRAS", "Availability", "Gpu",
+    "FAMILIES", "ENGINE_CHOICES", "MODULES", "EXTRAS", "RTX_TARGETS", "PORTABLE_CAPABILITIES", "Availability",
     "version_problem", "import_family", "builder_available", "runtime_version", "resolve_family",
-    "family_logger", "current_gpu", "parse_capability", "one_line",
+    "family_logger", "current_gpu", "one_line",
 ]
 
-FAMILIES = ("tensorrt", "tensorrt-rtx")
 ENGINE_CHOICES = ("auto", *FAMILIES)
 MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}
 EXTRAS = {"tensorrt": "pip install 'mbert-export[tensorrt]'; its builder needs a CUDA GPU",
           "tensorrt-rtx": "pip install 'mbert-export[tensorrt-rtx]'"}
-LABELS = {"tensorrt": "TensorRT", "tensorrt-rtx": "TensorRT-RTX"}
+# The compute capabilities TensorRT-RTX 1.7 can target (its ComputeCapability enum: SM75 ... SM121;
+# no 9.0 / 10.0: H100, H200 and B200 need datacenter TensorRT), and its default portable set ("By
+# default, an engine built by TensorRT-RTX can be run on GPU devices with compute capability 8.0,
+# 8.6, 8.9, 12.0": TensorRT-RTX docs, CPU-only AOT). This project asks for targets explicitly, so
+# the record lists exactly what the plan was built for.
+RTX_TARGETS = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
+PORTABLE_CAPABILITIES = ("8.0", "8.6", "8.9", "12.0")
 # (lowest, first unsupported) version per family. tensorrt: 10.12 is the first release where
 # strongly typed networks carry FP16 without the deprecated builder flags; 12.x is unknown (11.x
 # removed APIs, a new major may again). tensorrt_rtx: 1.7 is the release this project is tested
 # with (compute-capability targets, get_engine_validity); earlier 1.x releases are unverified.
 VERSION_RANGES = {"tensorrt": ((10, 12), (12, 0)), "tensorrt-rtx": ((1, 7), (2, 0))}
-_CAPABILITY = re.compile(r"^(\d{1,2})\.(\d)$")
 # ILogger.Severity (same in both families): INTERNAL_ERROR=0, ERROR=1, WARNING=2, INFO=3, VERBOSE=4.
 SEVERITY_NAMES = {0: "INTERNAL_ERROR", 1: "ERROR", 2: "WARNING", 3: "INFO", 4: "VERBOSE"}
 _PY_LEVELS = {0: logging.CRITICAL, 1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO, 4: logging.DEBUG}
@@ -141,7 +146,7 @@ def resolve_family(requested: str) -> Availability:
     TensorRT first (the only one for 9.0 / 10.0 GPUs, and it builds for the GPU it runs on), then
     TensorRT-RTX. EngineError with every family's reason when none can build."""
     if requested not in ENGINE_CHOICES:
-        raise EngineError(f"--engine must be one of {', '.join(ENGINE_CHOICES)} (or none), got {requested!r}")
+        raise EngineError(f"--engine must be one of {', '.join(ENGINE_CHOICES)} or none, got {requested!r}")
     candidates = FAMILIES if requested == "auto" else (requested,)
     found = [builder_available(f) for f in candidates]
     for availability in found:
@@ -202,31 +207,6 @@ def family_logger(trt: Any) -> Any:
         if trt.__name__ not in _LOGGERS:
             _LOGGERS[trt.__name__] = _make_logger(trt)
         return _LOGGERS[trt.__name__]
-
-
-@dataclass(frozen=True)
-class Gpu:
-    """A GPU by name and compute capability ("8.6")."""
-
-    name: str
-    compute_capability: str
-
-    def __post_init__(self) -> None:
-        parse_capability(self.compute_capability)
-
-    def __str__(self) -> str:
-        return f"{self.name} (compute capability {self.compute_capability})"
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "compute_capability": self.compute_capability}
-
-
-def parse_capability(text: str) -> tuple[int, int]:
-    """``"8.6"`` -> ``(8, 6)``; EngineError naming the text otherwise."""
-    m = _CAPABILITY.match(str(text).strip())
-    if not m:
-        raise EngineError(f"not a compute capability: {text!r} (expected MAJOR.MINOR such as 8.6 or 12.0)")
-    return int(m.group(1)), int(m.group(2))
 
 
 def current_gpu(device: int = 0) -> Gpu | None:

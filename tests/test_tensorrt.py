@@ -1,10 +1,10 @@
 """TensorRT, the parts that need no builder: optimization profiles, family detection and version
-gates, the engine record (JSON round trip and validation) and the compatibility rules of both
-families as functions of the record and the machine. Real builds: ``test_tensorrt_build.py``; the
-precision walk: ``test_tensorrt_precision.py``."""
+gates, the engine record (typed: its JSON round trip through the manifest schema and its checks),
+the compatibility rules of both families as functions of the record and the machine, and the
+engine options of the export. Real builds: ``test_tensorrt_build.py``; the precision walk:
+``test_tensorrt_precision.py``; a real bundle with an engine: ``test_tensorrt_bundle.py``."""
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -13,18 +13,22 @@ import sys
 import numpy as np
 import pytest
 
-from mbert.export.tensorrt import Profile, profiles_from, select_profile, tensorrt_available
-from mbert.modeling.errors import BundleError, EngineError
-from mbert.runtime.trt_compat import PORTABLE_CAPABILITIES, can_run, engine_compatibility
+from mbert.bundle.engine import STATUS_NOT_RUN, STATUS_VALIDATED, BuilderOptions, EngineRecord, EngineValidation, Gpu, \
+    Profile, parse_capability
+from mbert.bundle.schema import from_json, to_json
+from mbert.bundle.validation import ValidationReport
+from mbert.export.options import ExportOptions
+from mbert.export.trt_build import profiles_from
+from mbert.modeling.errors import BundleError, EngineError, OptionError
+from mbert.runtime.checks import can_run, engine_compatibility
+from mbert.runtime.tensorrt import select_profile
 from mbert.runtime.trt_family import (
-    Gpu, builder_available, parse_capability, resolve_family, runtime_version, version_problem,
+    PORTABLE_CAPABILITIES, builder_available, resolve_family, runtime_version, version_problem,
 )
-from mbert.runtime.trt_record import (
-    STATUS_FAILED, STATUS_NOT_RUN, STATUS_VALIDATED, BuilderOptions, EngineRecord, Validation,
-)
+from trt_helpers import datacenter_record, rtx_record
 
 DATACENTER_INSTALLED = importlib.util.find_spec("tensorrt") is not None
-SHA = "ab" * 32
+RTX_3090 = Gpu("NVIDIA GeForce RTX 3090", "8.6")
 
 
 # --- Profile / profiles_from / select_profile ------------------------------------------------
@@ -33,7 +37,6 @@ def test_profile_accepts_valid_and_normalises_to_tuples():
     profile = Profile([1, 1], (4, np.int64(128)), (8, 512))
     assert profile.opt == (4, 128) and isinstance(profile.min, tuple)
     assert profile.covers(1, 1) and profile.covers(8, 512) and not profile.covers(9, 10)
-    assert Profile.from_any(profile.as_lists()) == profile
     assert str(profile) == "min=(1, 1) opt=(4, 128) max=(8, 512)"
 
 
@@ -47,8 +50,8 @@ def test_profile_accepts_valid_and_normalises_to_tuples():
     ((True, 1), (2, 2), (3, 3)),       # bool is not a size
     ("11", (2, 2), (3, 3)),
 ])
-def test_profile_validation_raises_engine_error(args):
-    with pytest.raises(EngineError):
+def test_profile_validation_raises_value_error(args):
+    with pytest.raises(ValueError):
         Profile(*args)
 
 
@@ -127,16 +130,16 @@ def test_auto_picks_the_installed_builder_and_says_which():
     assert not missing.ok and missing.reason.startswith("tensorrt is not installed (pip install 'mbert-export[tensorrt]'")
     assert runtime_version("tensorrt").reason == missing.reason and "\n" not in missing.reason
     assert resolve_family("auto").family == "tensorrt-rtx"
-    assert tensorrt_available() == (False, missing.reason)  # the previous pipeline's gate: datacenter only
     with pytest.raises(EngineError, match=r"no TensorRT builder can run here: TensorRT: tensorrt is not installed"):
         resolve_family("tensorrt")
-    with pytest.raises(EngineError, match="--engine must be one of auto, tensorrt, tensorrt-rtx"):
+    with pytest.raises(EngineError, match="--engine must be one of auto, tensorrt, tensorrt-rtx or none"):
         resolve_family("trt")
 
 
 def test_importing_the_modules_does_not_import_tensorrt():
-    code = ("import sys, mbert.export.tensorrt, mbert.export.trt_build, mbert.runtime.trt_compat, "
-            "mbert.runtime.trt_runner; print(sorted(m for m in ('tensorrt', 'tensorrt_rtx') if m in sys.modules))")
+    code = ("import sys, mbert.export.engine, mbert.export.engine_only, mbert.export.trt_build, mbert.export.trt_precision, "
+            "mbert.runtime.checks, mbert.runtime.tensorrt, mbert.runtime.backends, mbert.runtime.verdicts; "
+            "print(sorted(m for m in ('tensorrt', 'tensorrt_rtx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -148,89 +151,72 @@ def test_parse_capability(text, want):
 
 @pytest.mark.parametrize("text", ["86", "8.6.1", "sm_86", "", "8.x"])
 def test_parse_capability_rejects(text):
-    with pytest.raises(EngineError, match="not a compute capability"):
+    with pytest.raises(ValueError, match="not a compute capability"):
         parse_capability(text)
 
 
-# --- the engine record ------------------------------------------------------------------------------
+# --- the engine record ----------------------------------------------------------------------------
 
-def rtx_record(**changes) -> EngineRecord:
-    base = EngineRecord(
-        family="tensorrt-rtx", version="1.7.1.116", plan="model.plan", onnx="model.fp16.onnx", plan_sha256=SHA,
-        plan_bytes=1234, profiles=tuple(profiles_from(8, 512, split_seq=[128])), targets=("8.6",), built_on=None,
-        options=BuilderOptions(), build_seconds=3.5, not_run_reason="built on a machine without a CUDA GPU",
-        build_log="tensorrt_build.log")
-    return dataclasses.replace(base, **changes)
+def roundtrip(record: EngineRecord) -> EngineRecord:
+    return from_json(EngineRecord, json.loads(json.dumps(to_json(record), allow_nan=False)), "engine")
 
 
-def datacenter_record(**changes) -> EngineRecord:
-    base = EngineRecord(
-        family="tensorrt", version="10.13.3.9", plan="model.plan", onnx="model.fp16.onnx", plan_sha256=SHA,
-        plan_bytes=99, profiles=(Profile((1, 1), (4, 128), (8, 512)),), targets=(),
-        built_on=Gpu("NVIDIA H100 80GB HBM3", "9.0"), options=BuilderOptions(timing_cache=True), build_seconds=20.0)
-    return dataclasses.replace(base, **changes)
-
-
-def test_record_round_trips_through_json():
-    for record in (rtx_record(), datacenter_record(),
-                   rtx_record(validations=(Validation(Gpu("NVIDIA GeForce RTX 3090", "8.6"), "1.7.1.116", True,
-                                                      "parity grid: 24 cases passed"),))):
-        text = json.dumps(record.to_dict())
-        assert EngineRecord.from_dict(json.loads(text)) == record
-    d = rtx_record().to_dict()
-    assert d["status"] == STATUS_NOT_RUN and d["targets"] == ["8.6"] and d["built_on"] is None
+def test_record_round_trips_through_the_manifest_schema():
+    validated = rtx_record(validation=EngineValidation(RTX_3090, "1.7.1.116", ValidationReport("model.plan", ("c",), ())),
+                           not_run_reason=None)
+    for record in (rtx_record(), datacenter_record(), validated):
+        assert roundtrip(record) == record
+    d = to_json(rtx_record())
+    assert d["targets"] == ["8.6"] and d["built_on"] is None and d["validation"] is None
     assert d["profiles"][1] == {"min": [1, 129], "opt": [4, 512], "max": [8, 512]}
+    assert d["precision_walk"]["file"] == "tensorrt_precision.json"
 
 
-def test_status_follows_validations():
-    gpu = Gpu("NVIDIA GeForce RTX 3090", "8.6")
+def test_status_and_summary():
     record = rtx_record()
-    assert record.status == STATUS_NOT_RUN and record.validated_on == ()
-    assert "built, not yet run (built on a machine without a CUDA GPU)" in record.summary()
-    ok = record.with_validation(Validation(gpu, "1.7.1.116", True, "passed"))
-    assert ok.status == STATUS_VALIDATED and ok.validated_on == (gpu,) and "validated on NVIDIA GeForce RTX 3090" in ok.summary()
-    assert ok.with_validation(Validation(gpu, "1.7.1.116", False, "cosine 0.93")).status == STATUS_FAILED
-    assert "runs on GPUs of compute capability 8.6 with TensorRT-RTX 1.7.1.116" in record.summary()
-    assert "any Ampere or newer" in datacenter_record(options=BuilderOptions(hardware_compatible=True)).runs_on()
+    assert record.status == STATUS_NOT_RUN
+    assert record.summary() == ("model.plan: TensorRT-RTX 1.7.1.116, 2 profile(s), runs on GPUs of compute capability "
+                                "8.6 with TensorRT-RTX 1.7.1.116; built, not yet run (built on a machine without a "
+                                "CUDA GPU)")
+    ok = rtx_record(validation=EngineValidation(RTX_3090, "1.7.1.116", ValidationReport("model.plan", (), ())),
+                    not_run_reason=None)
+    assert ok.status == STATUS_VALIDATED and ok.summary().endswith(f"validated on {RTX_3090}")
+    assert "any Ampere or newer" in datacenter_record(options=BuilderOptions(80.0, 3, False, True, True, False)).runs_on()
     assert "9.0 (NVIDIA H100 80GB HBM3)" in datacenter_record().runs_on()
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: d.pop("family"), "engine record: family is missing"),
-    (lambda d: d.update(family="trt"), "family must be one of tensorrt, tensorrt-rtx, got 'trt'"),
-    (lambda d: d.update(version=10), "version must be str, got 10"),
-    (lambda d: d.update(plan="../model.plan"), "plan must be a plain file name inside the bundle"),
-    (lambda d: d.update(plan_sha256="xyz"), "plan_sha256 must be 64 lowercase hex digits"),
-    (lambda d: d.update(plan_bytes=True), "plan_bytes must be int, got True"),
-    (lambda d: d.update(profiles=[]), "profiles must be a non-empty tuple"),
-    (lambda d: d["profiles"][0].update(min=[0, 1]), r"profiles\[0\] profile batch sizes"),
+    (lambda d: d.pop("family"), r"^engine\.family: required key is missing"),
+    (lambda d: d.update(family="trt"), r"^engine\.family: 'trt' is not one of 'tensorrt', 'tensorrt-rtx'"),
+    (lambda d: d.update(version=10), r"^engine\.version: expected a string"),
+    (lambda d: d.update(file="../model.plan"), r"^engine\.file: path '../model.plan' leads out of its folder"),
+    (lambda d: d.update(profiles=[]), "profiles must not be empty"),
+    (lambda d: d["profiles"][0].update(min=[0, 1]), r"^engine\.profiles\[0\]: profile batch sizes"),
     (lambda d: d.update(targets=["86"]), "targets: not a compute capability: '86'"),
     (lambda d: d.update(targets=[]), "must list its target compute capabilities"),
-    (lambda d: d.update(built_on={"name": "x"}), "built_on.compute_capability is missing"),
-    (lambda d: d["options"].update(workspace_gib=-1), "options workspace_gib must be a positive number"),
+    (lambda d: d.update(built_on={"name": "x"}), r"^engine\.built_on\.compute_capability: required key is missing"),
+    (lambda d: d["options"].update(workspace_gib=-1), "workspace_gib must be a positive number"),
     (lambda d: d["options"].update(timing_cache=True), "hardware_compatible and timing_cache are datacenter"),
-    (lambda d: d["options"].pop("tf32"), "options.tf32 is missing"),
-    (lambda d: d.update(status="validated"), "status is 'validated' but the validations say 'built, not yet run'"),
-    (lambda d: d.update(validations=[{"gpu": {"name": "g", "compute_capability": "8.6"}, "version": "1",
-                                      "passed": "yes", "summary": ""}]), r"validations\[0\].passed must be bool"),
-    (lambda d: d.update(sha256=SHA), r"has unknown key\(s\) \['sha256'\]"),
+    (lambda d: d["options"].pop("tf32"), r"^engine\.options\.tf32: required key is missing"),
+    (lambda d: d.update(not_run_reason=None), "exactly one of validation and not_run_reason must be set"),
+    (lambda d: d["precision_walk"].update(passed=False), "passed must be true exactly when there are no problems"),
+    (lambda d: d["precision_walk"].update(onnx="model.onnx"), "the precision walk must be a passed walk of model.fp16"),
+    (lambda d: d.update(sha256="ab" * 32), r"^engine\.sha256: unknown key"),
 ])
-def test_record_from_dict_names_the_bad_key(edit, message):
-    d = rtx_record().to_dict()
+def test_a_bad_record_is_refused_naming_the_key(edit, message):
+    d = to_json(rtx_record())
     edit(d)
     with pytest.raises(BundleError, match=message):
-        EngineRecord.from_dict(d)
+        from_json(EngineRecord, d, "engine")
 
 
 def test_datacenter_record_rules():
-    d = datacenter_record().to_dict()
-    assert EngineRecord.from_dict(d) == datacenter_record()
+    d = to_json(datacenter_record())
+    assert from_json(EngineRecord, d, "engine") == datacenter_record()
     with pytest.raises(BundleError, match="must record the GPU it was built on"):
-        EngineRecord.from_dict(dict(d, built_on=None))
+        from_json(EngineRecord, dict(d, built_on=None), "engine")
     with pytest.raises(BundleError, match="targets are for TensorRT-RTX"):
-        EngineRecord.from_dict(dict(d, targets=["9.0"]))
-    with pytest.raises(EngineError, match="invalid engine record: family must be one of"):
-        datacenter_record(family="onnxruntime")
+        from_json(EngineRecord, dict(d, targets=["9.0"]), "engine")
 
 
 # --- compatibility rules ----------------------------------------------------------------------------
@@ -260,7 +246,7 @@ def test_datacenter_plan_needs_same_version_and_capability_unless_hardware_compa
     (ver,) = engine_compatibility(record, family_version="10.14.1", compute_capability="9.0")
     assert "TensorRT version: the plan was built with 10.13.3.9, this machine has 10.14.1" in ver
     assert len(engine_compatibility(record, family_version="11.0", compute_capability="12.0")) == 2
-    anywhere = datacenter_record(options=BuilderOptions(hardware_compatible=True))
+    anywhere = datacenter_record(options=BuilderOptions(80.0, 3, False, True, True, False))
     for cc in ("8.0", "8.6", "9.0", "12.0"):
         assert engine_compatibility(anywhere, family_version="10.13.3.9", compute_capability=cc) == []
     (old,) = engine_compatibility(anywhere, family_version="10.13.3.9", compute_capability="7.5")
@@ -271,10 +257,39 @@ def test_can_run_reads_the_installed_version():
     import tensorrt_rtx
 
     record = rtx_record(version=tensorrt_rtx.__version__, targets=("8.6", "8.9"))
-    assert can_run(record, Gpu("NVIDIA GeForce RTX 4090", "8.9")) == (True, [])
+    assert can_run(record, Gpu("NVIDIA GeForce RTX 4090", "8.9")) == (True, [])  # rules only: no plan given
     ok, problems = can_run(record, Gpu("NVIDIA H200", "9.0"))
     assert not ok and problems == ["GPU compute capability 9.0 is not among the plan's targets (8.6, 8.9)"]
     assert can_run(record, None) == (False, ["no CUDA GPU"])
     if not DATACENTER_INSTALLED:
         ok, problems = can_run(datacenter_record(), Gpu("NVIDIA H100 80GB HBM3", "9.0"))
         assert not ok and problems[0].startswith("TensorRT unavailable: tensorrt is not installed")
+
+
+# --- the export's engine options, checked before any work ----------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(engine="trt"), "--engine must be one of auto, tensorrt, tensorrt-rtx or none, got 'trt'"),
+    (dict(compute_capabilities=("9.0",)), "--compute-capability 9.0: TensorRT-RTX targets 7.5, 8.0, 8.6, 8.9, 12.0, "
+                                          "12.1; 9.0 and 10.0 GPUs (H100, H200, B200) need datacenter TensorRT"),
+    (dict(compute_capabilities=("sm86",)), "--compute-capability sm86"),
+    (dict(compute_capabilities=()), "--compute-capability needs at least one capability"),
+    (dict(engine="tensorrt", compute_capabilities=("8.6",)), "does not apply with --engine tensorrt"),
+    (dict(engine="tensorrt-rtx", hardware_compatible=True), "--hardware-compatible is a datacenter TensorRT option"),
+    (dict(engine="none", compute_capabilities=("8.6",)), "does not apply with --engine none"),
+    (dict(compute_capabilities=("8.6",), hardware_compatible=True), "exclude each other"),
+    (dict(fp16=False, engine="tensorrt-rtx"), "they apply only with --fp16"),
+    (dict(workspace_gib=0.0), "--workspace-gib must be a positive number"),
+])
+def test_engine_options_are_checked(kwargs, message):
+    with pytest.raises(OptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ExportOptions(**{"fp16": True, **kwargs}).check()
+
+
+def test_engine_options_choose_the_family():
+    assert ExportOptions(fp16=True).family == "auto" and ExportOptions(fp16=True).workspace_gib is None
+    assert ExportOptions(fp16=True, compute_capabilities=("8.6",)).family == "tensorrt-rtx"
+    assert ExportOptions(fp16=True, hardware_compatible=True).family == "tensorrt"
+    assert ExportOptions(fp16=True, engine="tensorrt-rtx").family == "tensorrt-rtx"
+    ExportOptions(fp16=True, engine="tensorrt-rtx", compute_capabilities=("7.5", "12.1")).check()
+    ExportOptions(fp16=False, engine="none").check()

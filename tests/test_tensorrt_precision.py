@@ -16,7 +16,7 @@ from mbert.export.scopes import node_scopes
 from mbert.export.trt_build import parse_onnx
 from mbert.export.trt_precision import expected_precision, walk_network, walk_precision
 from mbert.modeling.errors import PrecisionError
-from trt_graphs import OVERFLOW_LAYER, overflow_graphs
+from trt_helpers import OVERFLOW_LAYER, overflow_graphs
 
 
 @pytest.fixture(scope="module")
