@@ -67,20 +67,21 @@ def export_child(what: str, cache: Path, quick: bool, max_seq: int) -> None:
         to_onnx(model, p["fp32"], max_seq_len=max_seq)
         return
     from mbert.export.precision import plan, scan, to_mixed_precision
-    from mbert.export.texts import calibration_texts
+    from mbert.bundle.texts import calibration_texts
 
     the_plan = plan(scan(model, calibration_texts(), max_len=512))
     to_onnx(to_mixed_precision(model, the_plan), p["fp16"], max_seq_len=max_seq)
     p["plan"].write_text(json.dumps(the_plan.to_dict(), indent=2))
 
 
-def build_child(precision: str, cache: Path, quick: bool, max_batch: int, max_seq: int, workspace_gib: float) -> None:
-    """Parse and build one graph with TensorRT-RTX; print one JSON line (run in a subprocess)."""
+def build_child(precision: str, cache: Path, quick: bool, max_batch: int, max_seq: int,
+                workspace_gib: float | None) -> None:
+    """Parse and build one graph with TensorRT-RTX as the export's engine stage does (and walk the FP16
+    network against its plan); print one JSON line (run in a subprocess)."""
     t0 = time.perf_counter()
     import tensorrt_rtx  # noqa: F401
 
-    from mbert.export.trt_build import build_parsed, parse_onnx
-    from mbert.runtime.trt_profiles import profiles_from
+    from mbert.export.trt_build import build_log_text, build_parsed, parse_onnx, profiles_from
 
     import_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -89,24 +90,24 @@ def build_child(precision: str, cache: Path, quick: bool, max_batch: int, max_se
     parsed = parse_onnx(p[precision], "tensorrt-rtx")
     parse_s = time.perf_counter() - t0
     rss_parsed_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    record = build_parsed(parsed, p[precision], out / "model.plan", profiles_from(max_batch, max_seq),
-                          workspace_gib=workspace_gib, log_path=out / "tensorrt_build.log")
-    activation = [int(m.group(1)) for m in re.finditer(r"Total Activation Memory: (\d+) bytes",
-                                                       (out / "tensorrt_build.log").read_text())]
-    result = {"precision": precision, "import_s": import_s, "parse_s": parse_s, "build_s": record.build_seconds,
-              "plan_mb": record.plan_bytes / 1e6, "rss_parsed_gb": rss_parsed_kb * 1024 / 1e9,
-              "layers": parsed.network.num_layers, "version": record.version, "targets": list(record.targets),
+    built = build_parsed(parsed, p[precision], out / "model.plan", profiles_from(max_batch, max_seq),
+                         workspace_gib=workspace_gib)
+    activation = [int(m.group(1)) for m in re.finditer(r"Total Activation Memory: (\d+) bytes", build_log_text(built))]
+    result = {"precision": precision, "import_s": import_s, "parse_s": parse_s, "build_s": built.seconds,
+              "plan_mb": built.plan.stat().st_size / 1e6, "rss_parsed_gb": rss_parsed_kb * 1024 / 1e9,
+              "layers": parsed.network.num_layers, "version": built.version, "targets": list(built.targets),
               "activation_gb": max(activation) / 1e9 if activation else None,
-              "profiles": [str(x) for x in record.profiles]}
-    del parsed
-    if precision == "fp16":
+              "workspace_gib": built.options.workspace_gib, "profiles": [str(x) for x in built.profiles]}
+    if precision == "fp16":  # the walk runs over the network just built, as in the export's engine stage
+        from mbert.bundle.schema import to_json
         from mbert.export.precision import Plan
-        from mbert.export.trt_precision import walk_precision
+        from mbert.export.trt_precision import walk_parsed
 
         t1 = time.perf_counter()
-        walk = walk_precision(p["fp16"], Plan.from_dict(json.loads(p["plan"].read_text())), family="tensorrt-rtx")
+        walk, _ = walk_parsed(parsed, Plan.from_dict(json.loads(p["plan"].read_text())))
         result.update(walk_s=time.perf_counter() - t1, walk_passed=walk.passed, walk_table=walk.table(),
-                      walk_network=walk.network)
+                      walk_network=to_json(walk.network))
+    del parsed
     (out / "model.plan").unlink()  # hundreds of MB; the numbers are what this script keeps
     result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux
     result["children_peak_rss_gb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
@@ -127,8 +128,8 @@ def prepare(args) -> None:
 
 def run_build(args, precision: str) -> dict:
     cmd = [sys.executable, __file__, "--child", precision, "--cache", str(args.cache), "--max-seq", str(args.max_seq),
-           "--max-batch", str(args.max_batch), "--workspace-gib", str(args.workspace_gib)] \
-        + (["--quick"] if args.quick else [])
+           "--max-batch", str(args.max_batch)] + (["--quick"] if args.quick else []) \
+        + (["--workspace-gib", str(args.workspace_gib)] if args.workspace_gib is not None else [])
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
@@ -162,12 +163,19 @@ def machine() -> str:
     return f"{cpu}, {len(__import__('os').sched_getaffinity(0))} CPUs, {mem / 2**20:.0f} GiB, load {' '.join(load)}"
 
 
+def workspace_read(results: list[dict]) -> str:
+    limits = sorted({r["workspace_gib"] for r in results if r.get("status") == "ok"})
+    return "read back: " + ", ".join(f"{x:g} GiB" for x in limits) if limits else "not read back"
+
+
 def report(args, results: list[dict]) -> list[str]:
     size = "3-layer test model (--quick)" if args.quick else "full-size ModernBERT-base (22 layers, random weights)"
     lines = [f"# TensorRT-RTX engine builds: {size}", "",
              f"{datetime.date.today()}, {machine()}, no GPU. {versions()}",
              "", f"Profile: batch 1..{args.max_batch}, sequence 1..{args.max_seq}"
-             + ("" if args.quick else " (the pipeline's default)") + f", workspace {args.workspace_gib:g} GiB; "
+             + ("" if args.quick else " (the pipeline's default)") + ", workspace limit "
+             + (f"{args.workspace_gib:g} GiB" if args.workspace_gib is not None else
+                "TensorRT's own (the pipeline's default; " + workspace_read(results) + ")") + "; "
              "targets: TensorRT-RTX's portable set. "
              "Each build in a fresh process; parse s excludes importing Python modules (import s).", "",
              "| graph | import s | parse s | builder s | parse + build s | plan MB | engine activation GB | "
@@ -206,9 +214,10 @@ def main() -> None:
     ap.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of fp16, fp32")
     ap.add_argument("--max-batch", type=int)
     ap.add_argument("--max-seq", type=int)
-    ap.add_argument("--workspace-gib", type=float, default=16.0,
-                    help="builder workspace limit: must hold the engine's activation memory at the largest shape "
-                         "(FP16 6.4 GB at 32 x 8192; FP32 does not fit in 8 GiB)")
+    ap.add_argument("--workspace-gib", type=float, default=None,
+                    help="builder workspace limit (default: none set, TensorRT's own, as the export does); a limit "
+                         "must hold the engine's activation memory at the largest shape (FP16 needed 4.59 GB at "
+                         "32 x 8192; FP32 did not fit in 8 GiB)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per build child")
     ap.add_argument("--child", choices=PRECISIONS, help=argparse.SUPPRESS)
     ap.add_argument("--export", choices=("checkpoint", "fp32", "fp16"), help=argparse.SUPPRESS)

@@ -25,8 +25,8 @@ from mbert.modeling.config import ModernBertConfig
 
 from .check import cross_check, model_info
 from mbert.modeling.paths import inside
-from .engine import (BuilderOptions, EngineRecord, EngineValidation, Gpu, PrecisionWalkRecord, Profile, SitePrecision,
-                     TensorRTVerdict)
+from .engine import (BuilderOptions, EngineRecord, EngineValidation, Gpu, NetworkCounts, PrecisionWalk, Profile,
+                     SiteCheck, TensorRTVerdict)
 from .manifest import (FORMAT_VERSION, IO, MANIFEST, FileEntry, GraphRecord, LayerKindError, Manifest, ModelInfo,
                        PrecisionRecord, Source, TritonRecord, read, read_raw, write)
 from mbert.modeling.paths import RelPath, check_relpath
@@ -34,7 +34,7 @@ from mbert.modeling.paths import RelPath, check_relpath
 __all__ = [
     "Bundle", "open_bundle", "FORMAT_VERSION", "MANIFEST", "IO", "EngineRecord", "FileEntry", "GraphRecord",
     "LayerKindError", "Manifest", "ModelInfo", "PrecisionRecord", "Profile", "Source", "TritonRecord",
-    "BuilderOptions", "EngineValidation", "Gpu", "PrecisionWalkRecord", "SitePrecision", "TensorRTVerdict",
+    "BuilderOptions", "EngineValidation", "Gpu", "NetworkCounts", "PrecisionWalk", "SiteCheck", "TensorRTVerdict",
     "RelPath", "check_relpath", "cross_check", "inside", "model_info", "read", "read_raw", "write",
 ]
 

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from mbert.modeling.errors import PrecisionError
 from mbert.modeling.paths import RelPath
 
 from .validation import ValidationReport
@@ -31,6 +32,7 @@ STATUS_NOT_RUN = "built, not yet run"
 STATUS_VALIDATED = "validated"
 _CAPABILITY = re.compile(r"^(\d{1,2})\.(\d)$")
 _PRECISIONS = ("float16", "float32", "bfloat16", "mixed", "none")
+_SHORT = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}
 
 
 def parse_capability(text: str) -> tuple[int, int]:
@@ -123,15 +125,22 @@ class TensorRTVerdict:
 
 
 @dataclass(frozen=True)
-class SitePrecision:
-    """One precision-plan site (``layers.1.mlp``, ``final_norm``) as TensorRT's parsed network has it."""
+class SiteCheck:
+    """One precision-plan site (``layers.1.mlp``, ``final_norm``) as TensorRT's parsed network has it:
+    the plan's precision, TensorRT's, the layer counts behind it and the verdict."""
 
-    site: str
-    plan: str  # float16 / float32: what the FP16 plan says
-    tensorrt: str  # what the site's defining layers compute in: float16 / float32 / mixed / none
-    fp16_layers: int  # compute layers of the site in FP16 ...
-    fp32_layers: int  # ... and in FP32 (softmax and LayerNorm statistics stay FP32 inside FP16 sites)
+    site: str  # "layers.1.mlp", "embeddings", "final_norm", "head"
+    layer: int | None
+    group: str  # residual / attention / mlp / embeddings / final_norm / head
+    plan: str  # float16 / float32 (none: the plan has no such site)
+    tensorrt: str  # float16 / float32 / mixed / none: the dtype of the defining layers
+    defining: str  # which layers decide: "matrix products", "residual adds", "site outputs"
+    defining_fp16: int
+    defining_fp32: int
+    compute_fp16: int  # all compute layers of the site (softmax and LayerNorm statistics stay FP32
+    compute_fp32: int  # inside FP16 sites)
     passed: bool
+    why: str  # why it failed ("" when it passed)
 
     def __post_init__(self) -> None:
         for value in (self.plan, self.tensorrt):
@@ -140,24 +149,75 @@ class SitePrecision:
 
 
 @dataclass(frozen=True)
-class PrecisionWalkRecord:
-    """The plan checked inside TensorRT: every site's precision in the network TensorRT built from
-    the FP16 graph (``file`` holds every TensorRT layer with its site and dtypes)."""
+class NetworkCounts:
+    """TensorRT's parsed network: its layers, its compute layers per dtype, and how layers were placed."""
+
+    layers: int
+    fp16_layers: int  # compute layers (matrix products, elementwise, normalization, softmax, ...) in FP16
+    bf16_layers: int
+    fp32_layers: int
+    casts: int
+    placed_by_metadata: int  # through the ONNX node in the layer's metadata and its name scope
+    placed_by_connection: int  # parser-made layers, through the sites of the layers they connect
+    outside: int  # layers of nodes outside the encoder (graph wrapper, pooling, RoPE positions)
+    unplaced: int
+
+
+@dataclass(frozen=True)
+class PrecisionWalk:
+    """The FP16 plan checked inside TensorRT: every site's precision in the network TensorRT built
+    from the FP16 graph (``file`` lists every TensorRT layer with its site and dtypes), and the
+    verdict (``mbert.export.trt_precision`` computes it)."""
 
     file: RelPath  # tensorrt_precision.json
     onnx: RelPath  # the graph walked
     family: Family
     version: str
-    passed: bool
-    fp16_layers: int  # compute layers of the whole network in FP16 ...
-    fp32_layers: int  # ... and in FP32
-    fp32_sites: tuple[str, ...]  # the sites TensorRT computes in FP32
-    sites: tuple[SitePrecision, ...]
+    sites: tuple[SiteCheck, ...]
+    network: NetworkCounts
+    unplaced: dict[str, int]  # "LAYER_TYPE dtype" -> count of compute layers with no site
     problems: tuple[str, ...]
 
-    def __post_init__(self) -> None:
-        if self.passed == bool(self.problems):
-            raise ValueError("precision walk: passed must be true exactly when there are no problems")
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    @property
+    def fp32_sites(self) -> list[str]:
+        return [s.site for s in self.sites if s.tensorrt == "float32"]
+
+    def raise_if_failed(self) -> None:
+        if self.problems:
+            raise PrecisionError(f"TensorRT's network disagrees with the FP16 plan ({self.onnx}): "
+                                 + "; ".join(self.problems))
+
+    def table(self) -> list[str]:
+        """The per-site table as text lines."""
+        lines = [f"TensorRT precision walk ({LABELS[self.family]} {self.version}, {self.onnx}): "
+                 + ("passed" if self.passed else "FAILED"),
+                 f"{'site':<22} {'plan':<8} {'tensorrt':<8} {'fp16':>5} {'fp32':>5}  verdict"]
+        for s in self.sites:
+            lines.append(f"{s.site:<22} {_SHORT.get(s.plan, s.plan):<8} {_SHORT.get(s.tensorrt, s.tensorrt):<8} "
+                         f"{s.compute_fp16:>5} {s.compute_fp32:>5}  {'ok' if s.passed else 'FAIL: ' + s.why}")
+        site_problems = sum(not s.passed for s in self.sites)  # the walk lists them first
+        return lines + [f"problem: {p}" for p in self.problems[site_problems:]]
+
+    def per_layer(self) -> list[tuple[str, str, int, int, str]]:
+        """Rows (layer or model-level site, where TensorRT runs it, FP16 and FP32 compute layers,
+        verdict): ``("2", "FP32: residual, mlp", 5, 22, "ok")``."""
+        groups: dict[str, list[SiteCheck]] = {}
+        for s in self.sites:
+            groups.setdefault(str(s.layer) if s.layer is not None else s.site, []).append(s)
+        rows = []
+        for name, members in groups.items():
+            if members[0].layer is None:  # embeddings, final_norm, head
+                runs = _SHORT.get(members[0].tensorrt, members[0].tensorrt).replace("fp32", "FP32")
+            else:
+                fp32 = [s.group for s in members if s.tensorrt != "float16"]
+                runs = "FP32: " + ", ".join(fp32) if fp32 else "fp16"
+            rows.append((name, runs, sum(s.compute_fp16 for s in members), sum(s.compute_fp32 for s in members),
+                         "ok" if all(s.passed for s in members) else "FAIL"))
+        return rows
 
 
 @dataclass(frozen=True)
@@ -186,7 +246,7 @@ class EngineRecord:
     options: BuilderOptions
     build_seconds: float
     build_log: RelPath  # tensorrt_build.log: warnings, engine layer information, attention fusion
-    precision_walk: PrecisionWalkRecord
+    precision_walk: PrecisionWalk
     validation: EngineValidation | None
     not_run_reason: str | None
 
@@ -217,7 +277,7 @@ class EngineRecord:
             out.append("hardware_compatible and timing_cache are datacenter TensorRT options")
         if (self.validation is None) == (self.not_run_reason is None):
             out.append("exactly one of validation and not_run_reason must be set")
-        if self.precision_walk.onnx != self.onnx or not self.precision_walk.passed:
+        if self.precision_walk.onnx != self.onnx or not self.precision_walk.passed:  # a failed walk fails the export
             out.append(f"the precision walk must be a passed walk of {self.onnx}")
         if self.build_seconds < 0:
             out.append(f"build_seconds must be >= 0, got {self.build_seconds!r}")

@@ -79,11 +79,9 @@ def build_in(folder: Path, found: Availability, options: ExportOptions, max_len:
     """Steps 2-5 of the module docstring in ``folder`` (it holds the bundle's graphs and
     precision.json); returns the engine record, TensorRT's naive verdict and the note. ``say``
     reports progress."""
-    import onnx
-
     from .precision import load_precision
     from .trt_build import build_log_text, build_parsed, parse_onnx, profiles_from
-    from .trt_precision import walk_network
+    from .trt_precision import save_walk, walk_parsed
 
     profiles = profiles_from(options.max_batch, max_len, options.opt_batch, options.opt_seq_len, options.split_seq)
     _, plan = load_precision(folder / "precision.json")
@@ -95,15 +93,13 @@ def build_in(folder: Path, found: Availability, options: ExportOptions, max_len:
                          hardware_compatible=options.hardware_compatible)
     (folder / BUILD_LOG).write_text(build_log_text(built), encoding="utf-8")
     say(f"built {PLAN_FILE} with {built.label} in {built.seconds:.1f}s; checking its network against the FP16 plan")
-    # the walk runs over the very network the builder was given
-    walk = walk_network(parsed.trt, parsed.network, onnx.load(str(folder / FP16_FILE), load_external_data=False),
-                        plan, family=found.family, version=found.version, onnx_name=FP16_FILE)
-    walk.save(folder / WALK_FILE)
+    walk, listing = walk_parsed(parsed, plan, file=WALK_FILE)  # the very network the builder was given
+    save_walk(folder / WALK_FILE, walk, listing)
     walk.raise_if_failed()
     naive = naive_verdict(folder, profiles, found.family, options.compute_capabilities)
     draft = EngineRecord(file=PLAN_FILE, onnx=FP16_FILE, family=found.family, version=found.version,
                          profiles=built.profiles, targets=built.targets, built_on=built.built_on, options=built.options,
-                         build_seconds=built.seconds, build_log=BUILD_LOG, precision_walk=walk.record(WALK_FILE),
+                         build_seconds=built.seconds, build_log=BUILD_LOG, precision_walk=walk,
                          validation=None, not_run_reason="not run yet")
     record = run_here(folder, draft, cases)
     note = (f"TensorRT engine {PLAN_FILE}: {chosen(found, options)}, built in {built.seconds:.1f}s for "

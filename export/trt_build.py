@@ -64,6 +64,7 @@ class ParsedNetwork:
 
     trt: Any
     family: str
+    source: Path  # the ONNX file parsed
     builder: Any
     network: Any
     parser: Any
@@ -186,7 +187,7 @@ def parse_onnx(onnx_path: str | Path, family: str) -> ParsedNetwork:
     if network.num_outputs == 0:  # the parser accepts some non-ONNX bytes as an empty model
         raise EngineError(f"{LABELS[family]}'s ONNX parser rejected {onnx_path}: it holds no graph outputs "
                           "(not an ONNX model?)")
-    return ParsedNetwork(trt, family, builder, network, parser, list(log))
+    return ParsedNetwork(trt, family, onnx_path, builder, network, parser, list(log))
 
 
 def _targets(trt: Any, family: str, compute_capabilities: Sequence[str] | None) -> tuple[str, ...]:

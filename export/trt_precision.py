@@ -45,17 +45,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mbert.bundle.engine import PrecisionWalkRecord, SitePrecision
-from mbert.bundle.schema import to_json
-from mbert.modeling.errors import PrecisionError
-from mbert.modeling.paths import check_relpath
+from mbert.bundle.engine import NetworkCounts, PrecisionWalk, SiteCheck
 from mbert.runtime.trt_family import resolve_family
 
 from .precision import Plan
 from .scopes import Scope, node_scopes
-from .trt_build import parse_onnx
+from .trt_build import ParsedNetwork, parse_onnx
 
-__all__ = ["SiteCheck", "PrecisionWalk", "walk_precision", "walk_network", "expected_precision"]
+__all__ = ["walk_precision", "walk_parsed", "save_walk", "expected_precision", "WALK_FILE"]
+
+WALK_FILE = "tensorrt_precision.json"
 
 COMPUTE = {"MATRIX_MULTIPLY", "ELEMENTWISE", "UNARY", "ACTIVATION", "NORMALIZATION", "SOFTMAX", "REDUCE",
            "EINSUM", "SCALE", "CUMULATIVE"}
@@ -63,96 +62,6 @@ DTYPES = {"HALF": "float16", "FLOAT": "float32", "BF16": "bfloat16"}
 _ONNX_LAYER = re.compile(r"\[ONNX Layer: ([^\]\x1e\x1f]+)\]")
 OUTSIDE = "outside"
 SITE_ORDER = ("embeddings", "residual", "attention", "mlp", "final_norm", "head")
-
-
-@dataclass(frozen=True)
-class SiteCheck:
-    """One site: the plan's precision, TensorRT's, the counts behind it and the verdict."""
-
-    site: str  # "layers.1.mlp", "embeddings", "final_norm", "head"
-    layer: int | None
-    group: str  # residual / attention / mlp / embeddings / final_norm / head
-    plan: str  # float16 / float32
-    tensorrt: str  # float16 / float32 / mixed / none: the dtype of the defining layers
-    defining: str  # which layers decide: "matrix products", "residual adds", "site outputs"
-    defining_fp16: int
-    defining_fp32: int
-    compute_fp16: int  # all compute layers of the site
-    compute_fp32: int
-    passed: bool
-    why: str
-
-
-@dataclass(frozen=True)
-class PrecisionWalk:
-    """The walk's result: per site checks, network-wide counts, and the overall verdict."""
-
-    family: str
-    version: str
-    onnx: str
-    sites: tuple[SiteCheck, ...]
-    network: dict  # {"layers": n, "compute": {"float16": a, "float32": b}, "casts": c, "placed_by": {...}}
-    unplaced: dict  # {"LAYER_TYPE dtype": count} of compute layers with no site
-    problems: tuple[str, ...]
-
-    @property
-    def passed(self) -> bool:
-        return not self.problems
-
-    @property
-    def fp32_sites(self) -> list[str]:
-        return [s.site for s in self.sites if s.tensorrt == "float32"]
-
-    def to_dict(self) -> dict:
-        """The walk as JSON, with what is derived from it: the verdict, the FP32 sites, the per-layer
-        rows and the rendered table (so a reader needs no code from mbert.export)."""
-        return {**to_json(self), "passed": self.passed, "fp32_sites": self.fp32_sites, "layers": self.layer_rows(),
-                "table": self.table()}
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-
-    def record(self, file: str) -> PrecisionWalkRecord:
-        """The manifest's summary of this walk, saved as ``file``."""
-        compute = self.network["compute"]
-        sites = tuple(SitePrecision(s.site, s.plan, s.tensorrt, s.compute_fp16, s.compute_fp32, s.passed)
-                      for s in self.sites)
-        return PrecisionWalkRecord(check_relpath(file, "precision walk file"), check_relpath(self.onnx, "onnx"),
-                                   self.family, self.version, self.passed,
-                                   compute.get("float16", 0) + compute.get("bfloat16", 0), compute.get("float32", 0),
-                                   tuple(self.fp32_sites), sites, self.problems)
-
-    def raise_if_failed(self) -> None:
-        if self.problems:
-            raise PrecisionError(f"TensorRT's network disagrees with the FP16 plan ({self.onnx}): "
-                                 + "; ".join(self.problems))
-
-    def layer_rows(self) -> list[dict]:
-        """Per encoder layer: plan and TensorRT precision of its three sites, and its FP16/FP32
-        compute-layer counts (the per-layer summary the bundle keeps)."""
-        rows: dict[int, dict] = {}
-        for s in self.sites:
-            if s.layer is None:
-                continue
-            row = rows.setdefault(s.layer, {"layer": s.layer, "fp16_layers": 0, "fp32_layers": 0, "passed": True})
-            row[s.group] = {"plan": s.plan, "tensorrt": s.tensorrt}
-            row["fp16_layers"] += s.compute_fp16
-            row["fp32_layers"] += s.compute_fp32
-            row["passed"] = row["passed"] and s.passed
-        return [rows[i] for i in sorted(rows)]
-
-    def table(self) -> list[str]:
-        """The per-site table as text lines (for logs and ``mbert-run info``)."""
-        lines = [f"TensorRT precision walk ({self.family} {self.version}, {self.onnx}): "
-                 + ("passed" if self.passed else "FAILED"),
-                 f"{'site':<22} {'plan':<8} {'tensorrt':<8} {'fp16':>5} {'fp32':>5}  verdict"]
-        short = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}
-        for s in self.sites:
-            lines.append(f"{s.site:<22} {short.get(s.plan, s.plan):<8} {short.get(s.tensorrt, s.tensorrt):<8} "
-                         f"{s.compute_fp16:>5} {s.compute_fp32:>5}  {'ok' if s.passed else 'FAIL: ' + s.why}")
-        site_problems = sum(not s.passed for s in self.sites)  # walk_network lists them first
-        lines += [f"problem: {p}" for p in self.problems[site_problems:]]
-        return lines
 
 
 def expected_precision(plan: Plan, site: str) -> str | None:
@@ -282,12 +191,15 @@ def _site_key(site: str) -> tuple:
     return ({"embeddings": 0, "final_norm": 2, "head": 3}[site], 0, 0)
 
 
-def walk_network(trt: Any, network: Any, proto: Any, plan: Plan, *, family: str = "", version: str = "",
-                 onnx_name: str = "") -> PrecisionWalk:
-    """The walk over a parsed ``network`` (``trt``: its module) of the ONNX model ``proto``."""
-    scopes = node_scopes(proto)
-    layers = _layers(trt, network, {n.name for n in proto.graph.node})
-    how = _place(layers, scopes)
+def walk_parsed(parsed: ParsedNetwork, plan: Plan, *, file: str = WALK_FILE) -> tuple[PrecisionWalk, list[dict]]:
+    """The walk over a parsed network against ``plan`` (see the module docstring), and every TensorRT
+    layer with its site and dtypes (what ``file`` holds: :func:`save_walk`)."""
+    import onnx  # noqa: PLC0415
+
+    proto = onnx.load(str(parsed.source), load_external_data=False)
+    network = parsed.network
+    layers = _layers(parsed.trt, network, {n.name for n in proto.graph.node})
+    how = _place(layers, node_scopes(proto))
     outputs = {network.get_output(i).name for i in range(network.num_outputs)}
     consumers_site: dict[str, set[str]] = {}
     for layer in layers:
@@ -308,18 +220,26 @@ def walk_network(trt: Any, network: Any, proto: Any, plan: Plan, *, family: str 
     if lost:
         problems.append(f"{len(lost)} matrix product(s) could not be placed at a site: {', '.join(lost[:3])}")
     counts = Counter(d for layer in compute for d in layer.dtypes)
-    network_info = {"layers": len(layers), "compute": dict(sorted(counts.items())),
-                    "casts": sum(layer.kind == "CAST" for layer in layers), "placed_by": dict(how)}
-    return PrecisionWalk(family, version, onnx_name, tuple(checks), network_info, dict(unplaced), tuple(problems))
+    network_counts = NetworkCounts(len(layers), counts["float16"], counts["bfloat16"], counts["float32"],
+                                   sum(layer.kind == "CAST" for layer in layers), how["metadata"], how["connected"],
+                                   how["outside"], how["unplaced"])
+    walk = PrecisionWalk(file, parsed.source.name, parsed.family, parsed.version, tuple(checks), network_counts,
+                         dict(sorted(unplaced.items())), tuple(problems))
+    listing = [{"index": layer.index, "name": layer.name, "type": layer.kind, "dtypes": list(layer.dtypes),
+                "site": layer.site, "onnx_nodes": list(layer.nodes)} for layer in layers]
+    return walk, listing
+
+
+def save_walk(path: str | Path, walk: PrecisionWalk, listing: list[dict]) -> None:
+    """``tensorrt_precision.json``: the verdict, the per-site table and every TensorRT layer with its
+    site (the manifest's engine record holds the walk itself)."""
+    data = {"onnx": walk.onnx, "tensorrt": f"{walk.family} {walk.version}", "passed": walk.passed,
+            "problems": list(walk.problems), "table": walk.table(), "layers": listing}
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def walk_precision(onnx_path: str | Path, plan: Plan, *, family: str = "auto") -> PrecisionWalk:
     """Parse ``onnx_path`` with ``family``'s ONNX parser (``auto``: the builder :func:`resolve_family`
     picks) and walk it against ``plan`` (see the module docstring). TensorRT-RTX parses without a
     GPU; datacenter TensorRT's builder needs one."""
-    import onnx  # noqa: PLC0415
-
-    parsed = parse_onnx(onnx_path, resolve_family(family).family)
-    proto = onnx.load(str(onnx_path), load_external_data=False)
-    return walk_network(parsed.trt, parsed.network, proto, plan, family=parsed.family, version=parsed.version,
-                        onnx_name=Path(onnx_path).name)
+    return walk_parsed(parse_onnx(onnx_path, resolve_family(family).family), plan)[0]

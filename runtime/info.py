@@ -17,7 +17,6 @@ def table(rows, headers) -> str:
 # Lines of the builder log shown by ``info``: attention fusion and what the engine became.
 BUILD_LOG_SHOWN = ("Self-Attention", "After Myelin optimization", "Total Activation Memory", "Engine Layer Information",
                    "Layer(")
-_SHORT = {"float16": "fp16", "float32": "FP32", "bfloat16": "bf16"}
 
 
 def engine_lines(bundle: Bundle, max_log_lines: int = 12) -> list[str]:
@@ -35,22 +34,10 @@ def engine_lines(bundle: Bundle, max_log_lines: int = 12) -> list[str]:
            + (", hardware compatible (Ampere+)" if opts.hardware_compatible else "")
            + (", timing cache" if opts.timing_cache else ""),
            f"\nPrecision in TensorRT's network ({LABELS[w.family]} {w.version}, {w.onnx}): "
-           f"{'passed' if w.passed else 'FAILED'}; compute layers fp16 {w.fp16_layers}, FP32 {w.fp32_layers}; "
+           f"{'passed' if w.passed else 'FAILED'}; compute layers fp16 {w.network.fp16_layers}, "
+           f"FP32 {w.network.fp32_layers}; "
            f"kept FP32: {', '.join(w.fp32_sites) or 'none'} (details: {w.file})"]
-    by_layer: dict[str, list] = {}  # "layers.0" -> [(group, site)], "final_norm" -> [(None, site)]
-    for site in w.sites:
-        name, group = site.site.rsplit(".", 1) if site.site.startswith("layers.") else (site.site, None)
-        by_layer.setdefault(name, []).append((group, site))
-    rows = []
-    for name, members in by_layer.items():
-        if members[0][0] is None:  # a model-level site: embeddings, final_norm, head
-            runs = _SHORT.get(members[0][1].tensorrt, members[0][1].tensorrt)
-        else:
-            fp32 = [group for group, site in members if site.tensorrt != "float16"]
-            runs = "FP32: " + ", ".join(fp32) if fp32 else "fp16"
-        rows.append((name.removeprefix("layers."), runs, sum(m.fp16_layers for _, m in members),
-                     sum(m.fp32_layers for _, m in members), "ok" if all(m.passed for _, m in members) else "FAIL"))
-    out.append(table(rows, ("layer", "runs in (TensorRT)", "fp16 layers", "fp32 layers", "verdict")))
+    out.append(table(w.per_layer(), ("layer", "runs in (TensorRT)", "fp16 layers", "fp32 layers", "verdict")))
     log = bundle.path_of(e.build_log, "engine.build_log").read_text(encoding="utf-8").splitlines()
     shown = [line for line in log if not line.startswith("#") and any(topic in line for topic in BUILD_LOG_SHOWN)]
     out.append(f"\nBuild log ({e.build_log}), attention fusion and engine layers:")

@@ -270,15 +270,43 @@ def test_engine_later_line_names_the_bundle_not_the_staging_folder(ck, fp16_expo
 # 4. a failed --engine-only deleted the plan and the bundle no longer opened -------------------------
 
 def test_a_failed_engine_only_leaves_the_bundle_byte_identical(fp16_exported, tmp_path):
+    """A real TensorRT-RTX build succeeds, then the precision walk fails: the bundle's precision.json
+    (edited and resealed, as a careful hand-edit would be) keeps layer 0's MLP FP32 while the graph
+    computes it in FP16."""
     import shutil
 
+    from mbert.bundle.manifest import read, write
     from mbert.runtime import Encoder
 
     b = tmp_path / "b"
     shutil.copytree(fp16_exported[1], b)
+    precision = json.loads((b / "precision.json").read_text())
+    assert precision["plan"]["layers"][0]["mlp"] == "float16"
+    precision["plan"]["layers"][0]["mlp"] = "float32"
+    (b / "precision.json").write_text(json.dumps(precision))
+    write(b, read(b, verify=False))  # resealed: the bundle opens, its plan now disagrees with its graph
     before = snapshot(b)
-    proc = cli("--engine-only", b)
-    assert proc.returncode == 1 and error_line(proc)
+    proc = cli("--engine-only", b, "--engine", "tensorrt-rtx")
+    assert proc.returncode == 1
+    assert "built model.plan with TensorRT-RTX" in proc.stderr  # the walk runs on the network just built
+    assert error_line(proc).startswith("error: TensorRT's network disagrees with the FP16 plan (model.fp16.onnx): "
+                                       "layers.0.mlp: the plan keeps it FP32 but")
     assert snapshot(b) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
     assert Encoder.from_bundle(b, precision="fp16").encode("still opens").shape == (128,)
+
+
+def test_engine_only_adds_an_engine_to_a_bundle_without_one(fp16_exported, tmp_path):
+    import shutil
+
+    from mbert.bundle import open_bundle
+
+    b = tmp_path / "b"
+    shutil.copytree(fp16_exported[1], b)
+    proc = cli("--engine-only", b)  # --engine auto: the builder installed here (TensorRT-RTX in the test extra)
+    assert proc.returncode == 0, proc.stderr
+    assert "engine: TensorRT-RTX" in proc.stderr and "(chosen by --engine auto" in proc.stderr
+    m = open_bundle(b).manifest
+    assert m.engine.family == "tensorrt-rtx" and m.engine.targets == ("8.0", "8.6", "8.9", "12.0")
+    assert m.engine.precision_walk.passed and m.precision.naive_fp16_tensorrt is not None
+    assert {"model.plan", "tensorrt_build.log", "tensorrt_precision.json"} <= set(m.files)

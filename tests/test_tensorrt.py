@@ -199,7 +199,9 @@ def test_status_and_summary():
     (lambda d: d["options"].update(timing_cache=True), "hardware_compatible and timing_cache are datacenter"),
     (lambda d: d["options"].pop("tf32"), r"^engine\.options\.tf32: required key is missing"),
     (lambda d: d.update(not_run_reason=None), "exactly one of validation and not_run_reason must be set"),
-    (lambda d: d["precision_walk"].update(passed=False), "passed must be true exactly when there are no problems"),
+    (lambda d: d["precision_walk"].update(problems=["layers.0.mlp: the plan keeps it FP32 but ..."]),
+     "the precision walk must be a passed walk"),  # a failed walk fails the export: never in a bundle
+    (lambda d: d["precision_walk"]["sites"][0].update(tensorrt="half"), "precision must be one of float16"),
     (lambda d: d["precision_walk"].update(onnx="model.onnx"), "the precision walk must be a passed walk of model.fp16"),
     (lambda d: d.update(sha256="ab" * 32), r"^engine\.sha256: unknown key"),
 ])

@@ -97,9 +97,9 @@ def test_precision_walk_in_the_bundle_matches_the_plan(exported):
     assert walk.passed and walk.problems == () and set(walk.fp32_sites) == planned == FP32_SITES
     sites = {s.site: s for s in walk.sites}
     assert sites["layers.2.mlp"].tensorrt == "float32" and sites["layers.2.mlp"].fp16_layers == 0
-    assert sites["layers.0.mlp"].tensorrt == "float16" and walk.fp16_layers > 0 and walk.fp32_layers > 0
+    assert sites["layers.0.mlp"].tensorrt == "float16" and walk.network.fp16_layers > 0 and walk.network.fp32_layers > 0
     saved = json.loads((folder / "tensorrt_precision.json").read_text())
-    assert saved["passed"] and set(saved["fp32_sites"]) == FP32_SITES and saved["table"][0].endswith("passed")
+    assert saved["passed"] and saved["table"] == walk.table() and len(saved["layers"]) == walk.network.layers
     naive = m.precision.naive_fp16_tensorrt  # beside ONNX Runtime's verdict on the same naive graph
     assert (naive.family, naive.parsed, naive.built) == ("tensorrt-rtx", True, False)
     assert "Error during shape inference" in naive.error
@@ -117,6 +117,7 @@ def test_mbert_run_info_describes_the_engine(exported):
     assert f"runs on   GPUs of compute capability 8.6, 12.0 with TensorRT-RTX {tensorrt_rtx.__version__}" in out
     assert "status    built, not yet run" in out or GPU is not None
     assert "passed; compute layers fp16" in out and "kept FP32: layers.2.residual, layers.2.mlp, final_norm" in out
+    assert "(details: tensorrt_precision.json)" in out
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line[:1].isdigit() or
             line.startswith(("embeddings ", "final_norm "))}
     assert rows["2"][:3] == ["FP32:", "residual,", "mlp"] and rows["0"][0] == "fp16" and rows["final_norm"][0] == "FP32"

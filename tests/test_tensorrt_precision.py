@@ -13,8 +13,10 @@ import tensorrt_rtx
 
 from mbert.export.precision import Plan
 from mbert.export.scopes import node_scopes
+from mbert.bundle.engine import PrecisionWalk
+from mbert.bundle.schema import from_json, to_json
 from mbert.export.trt_build import parse_onnx
-from mbert.export.trt_precision import expected_precision, walk_network, walk_precision
+from mbert.export.trt_precision import expected_precision, save_walk, walk_parsed, walk_precision
 from mbert.modeling.errors import PrecisionError
 from trt_helpers import OVERFLOW_LAYER, overflow_graphs
 
@@ -60,9 +62,12 @@ def test_layers_kept_fp32_are_fp32_in_tensorrts_network(walk, graphs):
         att = sites[f"layers.{i}.attention"]
         assert att.tensorrt == "float16" and att.compute_fp32 > 0
     assert sites["layers.2.residual"].compute_fp16 == 0 and sites["layers.0.residual"].defining_fp16 == 2
-    assert walk.network["compute"]["float16"] > 0 and walk.unplaced == {}
-    assert [r["layer"] for r in walk.layer_rows()] == [0, 1, 2]
-    assert walk.layer_rows()[1]["mlp"] == {"plan": "float32", "tensorrt": "float32"}
+    n = walk.network  # every compute layer is placed (shape helpers may stay unplaced: they compute nothing)
+    assert n.fp16_layers > 0 and walk.unplaced == {} and n.placed_by_metadata > 0 and n.placed_by_connection > 0
+    assert n.placed_by_metadata + n.placed_by_connection + n.outside + n.unplaced == n.layers
+    rows = walk.per_layer()
+    assert [r[0] for r in rows] == ["embeddings", "0", "1", "2", "final_norm"]
+    assert rows[2][1] == "FP32: residual, mlp" and rows[3][1] == "FP32: residual" and rows[1][1] == "fp16"
 
 
 def test_tensorrt_layers_are_named_after_onnx_nodes(graphs):
@@ -112,14 +117,16 @@ def test_walk_fails_on_graphs_that_disagree_with_the_plan(graphs):
     assert all(s.tensorrt == "float32" for s in fp32.sites)
 
 
-def test_walk_result_is_json_and_a_table(walk, tmp_path):
-    walk.save(tmp_path / "tensorrt_precision.json")
+def test_walk_is_a_typed_record_and_its_file_lists_every_layer(graphs, tmp_path):
+    walk, listing = walk_parsed(parse_onnx(graphs.fp16, "tensorrt-rtx"), graphs.plan)
+    assert from_json(PrecisionWalk, json.loads(json.dumps(to_json(walk))), "walk") == walk  # the manifest's form
+    save_walk(tmp_path / "tensorrt_precision.json", walk, listing)
     data = json.loads((tmp_path / "tensorrt_precision.json").read_text())
     assert data["passed"] and data["problems"] == [] and data["onnx"] == "model.fp16.onnx"
-    assert data["sites"][0]["site"] == "embeddings" and len(data["layers"]) == 3
-    assert set(data["fp32_sites"]) == {"layers.1.residual", "layers.1.mlp", "layers.2.residual", "final_norm"}
+    assert len(data["layers"]) == walk.network.layers and data["table"] == walk.table()
+    mlp1 = [x for x in data["layers"] if x["site"] == "layers.1.mlp" and x["type"] == "MATRIX_MULTIPLY"]
+    assert len(mlp1) == 2 and all(x["dtypes"] == ["float32"] for x in mlp1)
     lines = walk.table()
-    assert data["table"] == lines
     assert lines[0].endswith("passed") and any(re.match(r"layers\.1\.mlp\s+fp32\s+fp32\s+0\s+\d+\s+ok", x) for x in lines)
 
 
@@ -131,8 +138,11 @@ def test_expected_precision_reads_the_plan(graphs):
     assert expected_precision(p, "layers.7.mlp") is None
 
 
-def test_walk_network_on_an_already_parsed_network(graphs):
+def test_walk_of_a_network_already_built(graphs, tmp_path):
+    """The export walks the very network it built: building leaves the parsed network as it was."""
+    from mbert.export.trt_build import build_parsed, profiles_from
+
     parsed = parse_onnx(graphs.fp16, "tensorrt-rtx")
-    proto = onnx.load(str(graphs.fp16), load_external_data=False)
-    again = walk_network(parsed.trt, parsed.network, proto, graphs.plan)
-    assert again.passed and again.fp32_sites == walk_precision(graphs.fp16, graphs.plan).fp32_sites
+    build_parsed(parsed, graphs.fp16, tmp_path / "model.plan", profiles_from(2, 64), compute_capabilities=["8.6"])
+    after, _ = walk_parsed(parsed, graphs.plan)
+    assert after == walk_precision(graphs.fp16, graphs.plan, family="tensorrt-rtx")

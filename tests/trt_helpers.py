@@ -79,10 +79,11 @@ def export_rtx_bundle(root: Path) -> tuple[subprocess.CompletedProcess, Path, Pa
 
 def walk_record(onnx: str = "model.fp16.onnx", family: str = "tensorrt-rtx", version: str = "1.7.1.116"):
     """A passed precision walk with one site (the records' consistency checks need one)."""
-    from mbert.bundle.engine import PrecisionWalkRecord, SitePrecision
+    from mbert.bundle.engine import NetworkCounts, PrecisionWalk, SiteCheck
 
-    return PrecisionWalkRecord("tensorrt_precision.json", onnx, family, version, True, 10, 5, (),
-                               (SitePrecision("layers.0.mlp", "float16", "float16", 4, 1, True),), ())
+    site = SiteCheck("layers.0.mlp", 0, "mlp", "float16", "float16", "matrix products", 2, 0, 4, 1, True, "")
+    return PrecisionWalk("tensorrt_precision.json", onnx, family, version, (site,),
+                         NetworkCounts(20, 4, 0, 1, 3, 15, 2, 3, 0), {}, ())
 
 
 def rtx_record(**changes):
