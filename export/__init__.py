@@ -7,7 +7,7 @@ Small composable steps (heavy imports happen inside them, so importing this pack
     from mbert.export.precision import scan, plan, to_mixed_precision
     from mbert.export.trt_build import build_engine        # TensorRT or TensorRT-RTX
     from mbert.export.trt_precision import walk_precision  # the plan checked in TensorRT's network
-    from mbert.export.validate import compare
+    from mbert.bundle.validation import compare
 
 ``mbert.export.pipeline.export_bundle`` sequences them; ``mbert-export`` is its command line.
 """

@@ -100,7 +100,7 @@ def build_in(folder: Path, found: Availability, options: ExportOptions, max_len:
     draft = EngineRecord(file=PLAN_FILE, onnx=FP16_FILE, family=found.family, version=found.version,
                          profiles=built.profiles, targets=built.targets, built_on=built.built_on, options=built.options,
                          build_seconds=built.seconds, build_log=BUILD_LOG, precision_walk=walk,
-                         validation=None, not_run_reason="not run yet")
+                         validation=None, not_run_reason="not run yet")  # run_here completes it
     record = run_here(folder, draft, cases)
     note = (f"TensorRT engine {PLAN_FILE}: {chosen(found, options)}, built in {built.seconds:.1f}s for "
             f"{built.runs_on()}; precision walk passed (FP32 sites: {', '.join(walk.fp32_sites) or 'none'}); "

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
 from mbert.bundle import Profile  # noqa: E402
-from mbert.export.tensorrt import profiles_from  # noqa: E402
+from mbert.export.trt_build import profiles_from  # noqa: E402
 from mbert.export.triton import Enum, to_pbtxt, write_triton_repository  # noqa: E402
 from mbert.modeling.errors import BundleError  # noqa: E402
 
