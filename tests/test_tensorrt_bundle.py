@@ -96,7 +96,7 @@ def test_precision_walk_in_the_bundle_matches_the_plan(exported):
                if getattr(lp, g) == "float32"} | ({"final_norm"} if plan.final_norm == "float32" else set())
     assert walk.passed and walk.problems == () and set(walk.fp32_sites) == planned == FP32_SITES
     sites = {s.site: s for s in walk.sites}
-    assert sites["layers.2.mlp"].tensorrt == "float32" and sites["layers.2.mlp"].fp16_layers == 0
+    assert sites["layers.2.mlp"].tensorrt == "float32" and sites["layers.2.mlp"].compute_fp16 == 0
     assert sites["layers.0.mlp"].tensorrt == "float16" and walk.network.fp16_layers > 0 and walk.network.fp32_layers > 0
     saved = json.loads((folder / "tensorrt_precision.json").read_text())
     assert saved["passed"] and saved["table"] == walk.table() and len(saved["layers"]) == walk.network.layers
