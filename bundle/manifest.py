@@ -101,10 +101,14 @@ class PrecisionRecord:
 
 @dataclass(frozen=True)
 class TritonRecord:
+    """The Triton model repository of the bundle, as written (enough to write it again)."""
+
     repository: RelPath  # the model repository folder ("triton")
     ensemble: str  # the ensemble's model name
-    encoder: str  # the model the ensemble routes to
+    encoder: Literal["python", "onnx", "trt"]  # the encoder the ensemble routes to
     max_batch: int
+    length_buckets: tuple[int, ...]  # padded lengths the tokenizer model emits
+    ensemble_outputs: tuple[str, ...]
 
 
 @dataclass(frozen=True)

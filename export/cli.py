@@ -40,6 +40,9 @@ import click
 @click.option("--hardware-compatible", is_flag=True,
               help="Datacenter TensorRT: a plan for any Ampere or newer GPU (possibly slower).")
 @click.option("--no-engine", is_flag=True, help="With --fp16: skip the TensorRT engine (same as --engine none).")
+@click.option("--triton-encoder", type=click.Choice(["python", "onnx", "trt"]), default="python", show_default=True,
+              help="What the Triton ensemble routes to: ONNX Runtime in the Python backend (any Triton), the ONNX "
+                   "Runtime backend, or the TensorRT plan. Switch later with mbert-run serve --encoder.")
 @click.option("--engine-only", "engine_only", type=click.Path(path_type=Path),
               help="Build the TensorRT engine for an existing --fp16 bundle (where a TensorRT builder is installed), "
                    "no re-export.")
@@ -50,8 +53,8 @@ import click
               help="With --random-checkpoint: 'base' is the published ModernBERT-base shape, 'tiny' a small one.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def main(model, out, max_seq_len, opset, overwrite, task, fp16, calibration, margin, max_batch, opt_batch,
-         opt_seq_len, split_seq, workspace_gib, engine, compute_capability, hardware_compatible, no_engine, engine_only,
-         random_checkpoint, preset, debug):
+         opt_seq_len, split_seq, workspace_gib, engine, compute_capability, hardware_compatible, no_engine,
+         triton_encoder, engine_only, random_checkpoint, preset, debug):
     """Export a ModernBERT-family checkpoint (hub id or local folder) to a validated bundle.
 
     \b
@@ -97,7 +100,7 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, calibration, mar
                                 fp16=fp16, calibration=calibration, margin=margin, max_batch=max_batch,
                                 opt_batch=opt_batch, opt_seq_len=opt_seq_len, split_seq=split,
                                 workspace_gib=workspace_gib, engine=engine, compute_capabilities=targets,
-                                hardware_compatible=hardware_compatible)
+                                hardware_compatible=hardware_compatible, triton_encoder=triton_encoder)
         t0 = time.perf_counter()
         result = export_bundle(model, options, report=echo)
         click.echo(summary(result))

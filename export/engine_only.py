@@ -23,10 +23,11 @@ from .transaction import stage_copy, transaction
 
 def build_for_bundle(bundle: Path, options: ExportOptions, report=lambda e, m: None) -> str:
     """Build the engine of ``bundle`` with ``options``' engine settings (``fp16`` must be set: the
-    engine is built from the FP16 graph). Returns the line to print."""
+    engine is built from the FP16 graph); the Triton repository keeps its own settings. Returns the
+    line to print."""
     from mbert.runtime.trt_family import resolve_family
 
-    from .triton import repository_for
+    from .triton import record_of, spec_for, write_triton_repository
 
     options.check()
     if options.engine == "none":
@@ -52,5 +53,10 @@ def build_for_bundle(bundle: Path, options: ExportOptions, report=lambda e, m: N
         report("stage", "[2/2] write")
         updated = replace(manifest, engine=outcome.record,
                           precision=replace(manifest.precision, naive_fp16_tensorrt=outcome.naive))
-        write(tmp, replace(updated, triton=repository_for(tmp, updated, max_batch=options.max_batch)))
+        old = manifest.triton
+        spec = spec_for(updated, max_batch=old.max_batch if old else options.max_batch,
+                        encoder=old.encoder if old else "python", length_buckets=old.length_buckets if old else None,
+                        ensemble_outputs=old.ensemble_outputs if old else None)
+        write_triton_repository(tmp, spec)
+        write(tmp, replace(updated, triton=record_of(spec)))
     return f"engine written: {bundle / PLAN_FILE}; {outcome.note}"

@@ -36,6 +36,7 @@ class ExportOptions:
     engine: str = "auto"  # with --fp16: auto | tensorrt | tensorrt-rtx | none
     compute_capabilities: tuple[str, ...] | None = None  # TensorRT-RTX targets (default: its portable set)
     hardware_compatible: bool = False  # datacenter TensorRT: a plan for any Ampere or newer GPU
+    triton_encoder: str = "python"  # what the Triton ensemble routes to: python, onnx or trt
 
     def target(self, source: str | Path) -> Path:
         """The bundle folder: ``out``, else ``engines/<last part of source>``."""
@@ -73,6 +74,11 @@ class ExportOptions:
                 raise OptionError(f"--split-seq must be strictly increasing, got {','.join(map(str, self.split_seq))}")
             if self.max_seq_len is not None and self.split_seq[-1] > self.max_seq_len:
                 raise OptionError(f"--split-seq {self.split_seq[-1]} exceeds --max-seq-len {self.max_seq_len}")
+        if self.triton_encoder not in ("python", "onnx", "trt"):
+            raise OptionError(f"--triton-encoder must be python, onnx or trt, got {self.triton_encoder!r}")
+        if self.triton_encoder == "trt" and not (self.fp16 and self.family in ("auto", "tensorrt")):
+            raise OptionError("--triton-encoder trt routes Triton to the TensorRT plan: it needs --fp16 and a datacenter "
+                              "TensorRT engine (Triton cannot load TensorRT-RTX plans)")
         if not self.fp16 and any(v is not None for v in (self.opt_batch, self.opt_seq_len, self.split_seq)):
             raise OptionError("--opt-batch, --opt-seq-len and --split-seq shape the TensorRT engine: they apply "
                               "only with --fp16")

@@ -148,7 +148,7 @@ def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod
     """Side files, Triton repository, and the sealed manifest."""
     from mbert.modeling.checkpoint import copy_side_files
 
-    from .triton import repository_for
+    from .triton import record_of, spec_for, write_triton_repository
 
     cfg, resolved = ctx.model.config, ctx.model.source
     copy_side_files(resolved.path, ctx.staging)
@@ -160,8 +160,9 @@ def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod
         max_seq_len=ctx.max_len, io=io, pooling=ctx.pooling, graphs=tuple(graphs),
         precision=(replace(fp16.record, naive_fp16_tensorrt=engine.naive) if engine else fp16.record) if fp16 else None,
         engine=engine.record if engine else None)
-    triton = repository_for(ctx.staging, manifest, max_batch=ctx.options.max_batch)
-    return write(ctx.staging, replace(manifest, triton=triton))
+    spec = spec_for(manifest, max_batch=ctx.options.max_batch, encoder=ctx.options.triton_encoder)
+    write_triton_repository(ctx.staging, spec)
+    return write(ctx.staging, replace(manifest, triton=record_of(spec)))
 
 
 def _tool_versions() -> dict[str, str]:

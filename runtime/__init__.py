@@ -29,6 +29,7 @@ _EXPORTS = {
     "check_engine": ".checks",
     "pool": ".text",
     "plan_batches": ".text",
+    "TritonEncoder": ".triton_client",
 }
 
 __all__ = sorted(_EXPORTS)

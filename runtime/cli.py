@@ -234,5 +234,10 @@ def info(bundle, source, no_verify):
     click.echo(describe(open_bundle(bundle, verify=not no_verify), verified=not no_verify, source=source))
 
 
+from .serve_cli import serve as _serve  # noqa: E402 - click only: --help stays instant
+
+main.add_command(_serve)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

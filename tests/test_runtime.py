@@ -13,7 +13,7 @@ import pytest
 
 from mbert.modeling.errors import BundleError
 from mbert.runtime import Encoder
-from helpers import LABELS, MAX_LEN, PROMPTS, RUNTIME_TEXTS as TEXTS, cosines, edit_manifest
+from helpers import MAX_LEN, PROMPTS, RUNTIME_TEXTS as TEXTS, cosines, edit_manifest
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from mbert.modeling.errors import BundleError
 from mbert.runtime import Encoder
 from mbert.runtime.cli import main
-from helpers import LABELS, MAX_LEN, PROMPTS, RUNTIME_TEXTS as TEXTS, cosines, edit_manifest
+from helpers import RUNTIME_TEXTS as TEXTS, edit_manifest
 
 
 @pytest.fixture(scope="module")

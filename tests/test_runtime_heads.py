@@ -17,7 +17,7 @@ from mbert.runtime import Encoder, check_engine, engine_compatibility, padded_le
 from mbert.runtime.backends import open_backend
 from mbert.runtime.checks import check_graph_io
 from mbert.runtime.trt_family import RTX_TARGETS, builder_available, current_gpu
-from helpers import LABELS, MAX_LEN, PROMPTS, RUNTIME_TEXTS as TEXTS, cosines, edit_manifest
+from helpers import LABELS, MAX_LEN, RUNTIME_TEXTS as TEXTS
 from trt_helpers import datacenter_record
 
 GPU = current_gpu()

@@ -1,26 +1,28 @@
 """Triton model repository writer: every config.pbtxt parses as Triton's ModelConfig, the ensemble
-wiring is consistent, files land where Triton looks, and the tokenizer model.py works."""
+wiring is consistent, files land where Triton looks, the encoder switch, and the Python models'
+plain functions. (The real server loads and serves these repositories in test_triton_serve.py.)"""
 from __future__ import annotations
 
-import importlib.util
-import json
 import shutil
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from google.protobuf import json_format, text_format
+from google.protobuf import text_format
 from onnx import TensorProto, helper, numpy_helper
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
+from mbert.export.pbtxt import Enum, to_pbtxt  # noqa: E402
 from mbert.bundle import Profile  # noqa: E402
 from mbert.export.trt_build import profiles_from  # noqa: E402
-from mbert.export.triton import Enum, to_pbtxt, write_triton_repository  # noqa: E402
+from mbert.export.triton import TritonSpec, default_buckets, write_triton_repository  # noqa: E402
 from mbert.modeling.errors import BundleError  # noqa: E402
+from mbert.modeling.graph import TensorSpec  # noqa: E402
+from mbert.runtime import triton_models  # noqa: E402
+from mbert.runtime.serve import ensembles, serving_copy, set_ensemble_encoder  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HIDDEN = 8
@@ -62,20 +64,18 @@ def tiny_onnx(path: Path, *, external: bool = False) -> None:
         onnx.save(model, str(path))
 
 
-def io_entry(name: str, dtype: str, shape: list) -> dict:
-    return {"name": name, "dtype": dtype, "shape": shape}
+ENCODER_IO = {
+    "inputs": (TensorSpec("input_ids", "int64", ("batch", "sequence")),
+               TensorSpec("attention_mask", "int64", ("batch", "sequence"))),
+    "outputs": (TensorSpec("last_hidden_state", "float32", ("batch", "sequence", HIDDEN)),
+                TensorSpec("sentence_embedding", "float32", ("batch", HIDDEN))),
+}
 
 
-def encoder_manifest(name: str = "tiny-embed", max_seq_len: int = 64) -> dict:
-    return {
-        "name": name, "max_seq_len": max_seq_len, "task": "encoder",
-        "pooling": {"mode": "mean", "normalize": False},
-        "io": {"inputs": [io_entry("input_ids", "int64", ["batch", "sequence"]),
-                          io_entry("attention_mask", "int64", ["batch", "sequence"])],
-               "outputs": [io_entry("last_hidden_state", "float32",
-                                    ["batch", "sequence", HIDDEN]),
-                           io_entry("sentence_embedding", "float32", ["batch", HIDDEN])]},
-    }
+def make_spec(**overrides) -> TritonSpec:
+    values = dict(name="tiny-embed", max_length=64, pad_id=PAD, max_batch=8, **ENCODER_IO)
+    values.update(overrides)
+    return TritonSpec(**values)
 
 
 @pytest.fixture
@@ -85,7 +85,6 @@ def bundle(tmp_path: Path) -> Path:
     for file in ("tokenizer.json", "config.json"):
         shutil.copy(FIXTURES / "modernbert-base" / file, folder / file)
     tiny_onnx(folder / "model.onnx")
-    (folder / "manifest.json").write_text(json.dumps(encoder_manifest()))
     return folder
 
 
@@ -137,13 +136,6 @@ def check_ensemble(configs: dict, ensemble) -> list[str]:
     return steps
 
 
-def load_model_py(path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("copied_triton_tokenizer", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # --- the pbtxt writer ----------------------------------------------------------------------------
 
 def test_pbtxt_writer_roundtrip_and_escaping():
@@ -161,49 +153,101 @@ def test_pbtxt_writer_roundtrip_and_escaping():
     assert config.parameters["k"].string_value == "tab\there"
 
 
+# --- the spec ------------------------------------------------------------------------------------
+
+def test_spec_normalizes_and_defaults():
+    spec = make_spec(inputs=list(ENCODER_IO["inputs"]), profiles=profiles_from(8, 64))
+    assert spec.inputs == ENCODER_IO["inputs"] and isinstance(spec.profiles[0], Profile)
+    assert spec.length_buckets == (16, 32, 64) == default_buckets(64)
+    assert spec.ensemble_outputs == ("sentence_embedding",)  # last_hidden_state only when asked
+    assert default_buckets(512) == (16, 32, 64, 128, 256, 512) and default_buckets(10) == (10,)
+    assert make_spec(length_buckets=(48, 8)).length_buckets == (8, 48, 64)
+    assert make_spec(name="org/My Model").model_name == "org_My_Model"
+    with pytest.raises(Exception):
+        spec.encoder = "onnx"  # frozen
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(max_length=0), "max_length"),
+    (dict(pad_id=-1), "pad_id"),
+    (dict(max_batch=True), "max_batch"),
+    (dict(inputs=ENCODER_IO["inputs"][:1]), "tokenizer feeds exactly"),
+    (dict(outputs=()), "no outputs"),
+    (dict(outputs=(TensorSpec("x", "complex64", ("batch", 3)),)), "dtype"),
+    (dict(outputs=(TensorSpec("x", "float32", (1, HIDDEN)),)), "batch axis"),
+    (dict(outputs=(TensorSpec("x", "float32", ("batch", 0)),)), "invalid dimension"),
+    (dict(outputs=(TensorSpec("truncated", "bool", ("batch", 1)),)), "clash"),
+    (dict(encoder="tensorrt"), "encoder must be one of"),
+    (dict(encoder="trt"), "needs a bundle with model.plan"),
+    (dict(profiles=[Profile((1, 1), (2, 32), (2, 64))]), "every batch size"),
+    (dict(profiles=profiles_from(8, 32)), "sequence length"),
+    (dict(preferred_batch_sizes=(16,)), "preferred_batch_sizes"),
+    (dict(length_buckets=(0, 16)), "length_buckets"),
+    (dict(length_buckets=(128,)), "length_buckets"),
+    (dict(ensemble_outputs=("logits",)), "subset"),
+    (dict(ensemble_outputs=()), "subset"),
+])
+def test_bad_spec_raises_bundle_error(change, message):
+    with pytest.raises(BundleError, match=message):
+        make_spec(**change)
+
+
 # --- the repository ------------------------------------------------------------------------------
 
 def test_repository_without_plan(bundle: Path):
-    manifest = json.loads((bundle / "manifest.json").read_text())
     profiles = profiles_from(8, 64, split_seq=[16])
-    repo = write_triton_repository(bundle, manifest, has_plan=False, profiles=profiles,
-                                   max_batch=8)
+    repo = write_triton_repository(bundle, make_spec(profiles=profiles))
     assert repo == bundle / "triton"
     configs = all_configs(repo)
-    assert set(configs) == {"tiny-embed", "tiny-embed_tokenizer", "tiny-embed_onnx"}
+    assert set(configs) == {"tiny-embed", "tiny-embed_tokenizer", "tiny-embed_python",
+                            "tiny-embed_onnx"}
 
     tok = configs["tiny-embed_tokenizer"]
     assert tok.backend == "python" and not tok.platform and tok.max_batch_size == 8
     assert tensors(tok.input) == {"TEXT": (DT.TYPE_STRING, [1])}
     assert tensors(tok.output) == {"input_ids": (DT.TYPE_INT64, [-1]),
-                                   "attention_mask": (DT.TYPE_INT64, [-1])}
-    assert tok.instance_group[0].kind == KIND.KIND_CPU
-    assert tok.parameters["max_seq_len"].string_value == "64"
-    assert tok.parameters["pad_id"].string_value == str(PAD)  # from config.json pad_token_id
-    manifest["model"] = {"pad_token_id": 7}  # the manifest's model record wins
-    write_triton_repository(bundle, manifest, has_plan=False, profiles=profiles, max_batch=8)
-    tok = parse(repo / "tiny-embed_tokenizer" / "config.pbtxt")
-    assert tok.parameters["pad_id"].string_value == "7"
-    assert (repo / "tiny-embed_tokenizer/1/model.py").is_file()
+                                   "attention_mask": (DT.TYPE_INT64, [-1]),
+                                   "num_tokens": (DT.TYPE_INT64, [1]),
+                                   "truncated": (DT.TYPE_BOOL, [1])}
+    assert tok.instance_group[0].kind == KIND.KIND_CPU and tok.HasField("dynamic_batching")
+    params = {k: v.string_value for k, v in tok.parameters.items()}
+    assert params == {"role": "tokenizer", "max_length": "64", "pad_id": str(PAD),
+                      "length_buckets": "16,32,64"}
     assert (repo / "tiny-embed_tokenizer/1/tokenizer.json").read_bytes() == \
         (bundle / "tokenizer.json").read_bytes()
 
+    py = configs["tiny-embed_python"]
+    assert py.backend == "python" and py.max_batch_size == 8
+    assert all(t.allow_ragged_batch for t in py.input)  # requests of any length share a batch
+    assert tensors(py.input) == {"input_ids": (DT.TYPE_INT64, [-1]),
+                                 "attention_mask": (DT.TYPE_INT64, [-1])}
+    assert tensors(py.output) == {"last_hidden_state": (DT.TYPE_FP32, [-1, HIDDEN]),
+                                  "sentence_embedding": (DT.TYPE_FP32, [HIDDEN])}
+    assert {k: v.string_value for k, v in py.parameters.items()} == {
+        "role": "encoder", "onnx_file": "model.onnx", "max_length": "64", "pad_id": str(PAD),
+        "batch_size": "8", "max_batch_tokens": "16384"}
+    for model in ("tiny-embed_tokenizer", "tiny-embed_python"):
+        code = (repo / model / "1" / "model.py").read_text()
+        assert "from mbert.runtime.triton_models import TritonPythonModel" in code
+    assert (repo / "tiny-embed_python/1/model.onnx").read_bytes() == \
+        (bundle / "model.onnx").read_bytes()
+
     onnx_cfg = configs["tiny-embed_onnx"]
     assert onnx_cfg.platform == "onnxruntime_onnx" and onnx_cfg.max_batch_size == 8
-    assert tensors(onnx_cfg.input) == {"input_ids": (DT.TYPE_INT64, [-1]),
-                                       "attention_mask": (DT.TYPE_INT64, [-1])}
-    assert tensors(onnx_cfg.output) == {"last_hidden_state": (DT.TYPE_FP32, [-1, HIDDEN]),
-                                        "sentence_embedding": (DT.TYPE_FP32, [HIDDEN])}
+    assert tensors(onnx_cfg.input) == tensors(py.input)
+    assert not any(t.allow_ragged_batch for t in onnx_cfg.input)
+    assert tensors(onnx_cfg.output) == tensors(py.output)
     assert onnx_cfg.instance_group[0].kind == KIND.KIND_AUTO
     assert onnx_cfg.HasField("dynamic_batching")
     assert not onnx_cfg.dynamic_batching.preferred_batch_size
-    assert (repo / "tiny-embed_onnx/1/model.onnx").read_bytes() == \
-        (bundle / "model.onnx").read_bytes()
 
     ensemble = configs["tiny-embed"]
     assert ensemble.platform == "ensemble" and ensemble.max_batch_size == 8
     assert tensors(ensemble.input) == {"TEXT": (DT.TYPE_STRING, [1])}
-    assert check_ensemble(configs, ensemble) == ["tiny-embed_tokenizer", "tiny-embed_onnx"]
+    assert tensors(ensemble.output) == {"sentence_embedding": (DT.TYPE_FP32, [HIDDEN]),
+                                        "num_tokens": (DT.TYPE_INT64, [1]),
+                                        "truncated": (DT.TYPE_BOOL, [1])}
+    assert check_ensemble(configs, ensemble) == ["tiny-embed_tokenizer", "tiny-embed_python"]
     assert (repo / "tiny-embed" / "1").is_dir()
 
     # no plan: the TensorRT model is written outside the repository Triton scans
@@ -217,20 +261,22 @@ def test_repository_without_plan(bundle: Path):
     assert "model.plan" in (pending / "1" / "README").read_text()
     assert "optimization profile 1: (batch, seq) min=(1, 17)" in \
         (pending / "config.pbtxt").read_text()
+    assert "TensorRT-RTX" in (pending / "config.pbtxt").read_text()
     assert not (pending / "1" / "model.plan").exists()
-    assert "triton_pending" in (repo / "README.md").read_text()
+    readme = (repo / "README.md").read_text()
+    assert "triton_pending" in readme and "mbert-run serve" in readme
 
 
 def test_repository_with_plan_and_trt_ensemble(bundle: Path):
     (bundle / "model.plan").write_bytes(b"not a real engine")
-    manifest = json.loads((bundle / "manifest.json").read_text())
     profiles = profiles_from(16, 64)
-    repo = write_triton_repository(bundle, manifest, has_plan=True, profiles=profiles,
-                                   max_batch=16, preferred_batch_sizes=[8, 4],
-                                   max_queue_delay_us=100, ensemble_target="trt")
+    repo = write_triton_repository(bundle, make_spec(
+        has_plan=True, profiles=profiles, max_batch=16, preferred_batch_sizes=(8, 4),
+        max_queue_delay_us=100, encoder="trt",
+        ensemble_outputs=("sentence_embedding", "last_hidden_state")))
     configs = all_configs(repo)
-    assert set(configs) == {"tiny-embed", "tiny-embed_tokenizer", "tiny-embed_onnx",
-                            "tiny-embed_trt"}
+    assert set(configs) == {"tiny-embed", "tiny-embed_tokenizer", "tiny-embed_python",
+                            "tiny-embed_onnx", "tiny-embed_trt"}
     assert not (bundle / "triton_pending").exists()
     trt = configs["tiny-embed_trt"]
     assert trt.platform == "tensorrt_plan"
@@ -239,29 +285,31 @@ def test_repository_with_plan_and_trt_ensemble(bundle: Path):
     assert trt.dynamic_batching.max_queue_delay_microseconds == 100
     assert (repo / "tiny-embed_trt/1/model.plan").read_bytes() == b"not a real engine"
     assert check_ensemble(configs, configs["tiny-embed"])[-1] == "tiny-embed_trt"
+    assert "last_hidden_state" in tensors(configs["tiny-embed"].output)
 
 
 def test_rewrite_is_deterministic_and_replaces_old_output(bundle: Path):
-    manifest = json.loads((bundle / "manifest.json").read_text())
     (bundle / "model.plan").write_bytes(b"plan")
-    write_triton_repository(bundle, manifest, has_plan=True, max_batch=4)
+    spec = make_spec(has_plan=True, max_batch=4)
+    write_triton_repository(bundle, spec)
     first = {p.relative_to(bundle): p.read_bytes()
              for p in sorted(bundle.glob("triton*/**/*")) if p.is_file()}
     (bundle / "triton" / "stale.txt").write_text("old")
-    write_triton_repository(bundle, manifest, has_plan=True, max_batch=4)
+    write_triton_repository(bundle, spec)
     second = {p.relative_to(bundle): p.read_bytes()
               for p in sorted(bundle.glob("triton*/**/*")) if p.is_file()}
     assert first == second
     assert not [p for p in bundle.iterdir() if p.name.startswith(".triton-")]
 
 
-def test_fp16_onnx_preferred_and_external_data_copied(bundle: Path):
+def test_fp16_graph_for_the_backend_fp32_for_the_python_encoder(bundle: Path):
     ort = pytest.importorskip("onnxruntime")
     tiny_onnx(bundle / "model.fp16.onnx", external=True)  # stands in for the mixed-precision file
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    repo = write_triton_repository(bundle, manifest, has_plan=False, max_batch=4)
+    repo = write_triton_repository(bundle, make_spec(onnx_backend_file="model.fp16.onnx"))
     version = repo / "tiny-embed_onnx" / "1"
     assert (version / "model.fp16.onnx.data").is_file()
+    assert (repo / "tiny-embed_python/1/model.onnx").read_bytes() == \
+        (bundle / "model.onnx").read_bytes()
     # the copied model loads from the repository folder with its external weights
     session = ort.InferenceSession(str(version / "model.onnx"),
                                    providers=["CPUExecutionProvider"])
@@ -270,61 +318,52 @@ def test_fp16_onnx_preferred_and_external_data_copied(bundle: Path):
     assert hidden.shape == (1, 3, HIDDEN) and pooled.shape == (1, HIDDEN)
 
 
-def test_head_manifest_outputs_logits(bundle: Path):
-    manifest = encoder_manifest("org/clf")
-    manifest["task"], manifest["pooling"] = "sequence-classification", None
-    manifest["io"]["outputs"] = [io_entry("logits", "float32", ["batch", 3])]
-    repo = write_triton_repository(bundle, manifest, has_plan=False, max_batch=2)
-    configs = all_configs(repo)
-    assert set(configs) == {"org_clf", "org_clf_tokenizer", "org_clf_onnx"}
-    assert tensors(configs["org_clf"].output) == {"logits": (DT.TYPE_FP32, [3])}
+def test_head_outputs_logits(bundle: Path):
+    spec = make_spec(name="org/clf", outputs=(TensorSpec("logits", "float32", ("batch", 3)),))
+    configs = all_configs(write_triton_repository(bundle, spec))
+    assert set(configs) == {"org_clf", "org_clf_tokenizer", "org_clf_python", "org_clf_onnx"}
+    assert tensors(configs["org_clf"].output) == {"logits": (DT.TYPE_FP32, [3]),
+                                                  "num_tokens": (DT.TYPE_INT64, [1]),
+                                                  "truncated": (DT.TYPE_BOOL, [1])}
     check_ensemble(configs, configs["org_clf"])
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda m: m.pop("max_seq_len"), "max_seq_len"),
-    (lambda m: m["io"]["inputs"].pop(), "tokenizer"),
-    (lambda m: m["io"]["outputs"][0].update(dtype="complex64"), "dtype"),
-    (lambda m: m["io"]["outputs"][1].update(shape=[1, HIDDEN]), "batch axis"),
-])
-def test_bad_manifest_raises_bundle_error(bundle: Path, change, message):
-    manifest = encoder_manifest()
-    change(manifest)
-    with pytest.raises(BundleError, match=message):
-        write_triton_repository(bundle, manifest, has_plan=False, max_batch=4)
-
-
-def test_bad_arguments_raise_bundle_error(bundle: Path):
-    manifest = encoder_manifest()
+def test_missing_files_raise_bundle_error(bundle: Path):
     with pytest.raises(BundleError, match="model.plan"):
-        write_triton_repository(bundle, manifest, has_plan=True, max_batch=4)
-    with pytest.raises(BundleError, match="needs a bundle with model.plan"):
-        write_triton_repository(bundle, manifest, has_plan=False, max_batch=4,
-                                ensemble_target="trt")
-    with pytest.raises(BundleError, match="every batch size"):  # engine max batch < Triton's
-        write_triton_repository(bundle, manifest, has_plan=False, max_batch=4,
-                                profiles=[Profile((1, 1), (2, 32), (2, 64))])
-    with pytest.raises(BundleError, match="sequence length"):
-        write_triton_repository(bundle, manifest, has_plan=False, max_batch=4,
-                                profiles=profiles_from(4, 32))
-    with pytest.raises(BundleError, match="preferred_batch_sizes"):
-        write_triton_repository(bundle, manifest, has_plan=False, max_batch=4,
-                                preferred_batch_sizes=[8])
+        write_triton_repository(bundle, make_spec(has_plan=True))
+    with pytest.raises(BundleError, match="model.fp16.onnx"):
+        write_triton_repository(bundle, make_spec(onnx_backend_file="model.fp16.onnx"))
     (bundle / "tokenizer.json").unlink()
     with pytest.raises(BundleError, match="tokenizer.json"):
-        write_triton_repository(bundle, manifest, has_plan=False, max_batch=4)
+        write_triton_repository(bundle, make_spec())
     assert not (bundle / "triton").exists()
 
 
-# --- the tokenizer model -------------------------------------------------------------------------
+# --- switching the encoder -----------------------------------------------------------------------
 
-@pytest.fixture
-def copied_model_py(bundle: Path) -> types.ModuleType:
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    repo = write_triton_repository(bundle, manifest, has_plan=False, max_batch=4)
-    assert "triton_python_backend_utils" not in sys.modules
-    return load_model_py(repo / "tiny-embed_tokenizer" / "1" / "model.py")
+def test_switch_encoder_without_reexport(bundle: Path):
+    repo = write_triton_repository(bundle, make_spec())
+    ensemble = repo / "tiny-embed" / "config.pbtxt"
+    assert ensembles(repo) == {"tiny-embed": ["tiny-embed_tokenizer", "tiny-embed_python"]}
+    assert set_ensemble_encoder(repo, "onnx") == [ensemble]
+    configs = all_configs(repo)
+    assert check_ensemble(configs, configs["tiny-embed"])[-1] == "tiny-embed_onnx"
+    assert ensemble.read_text().startswith("# Ensemble: TEXT -> tokenizer -> encoder.")
+    assert set_ensemble_encoder(repo, "onnx") == []  # already there
+    with pytest.raises(BundleError, match="no model tiny-embed_trt .*no model.plan"):
+        set_ensemble_encoder(repo, "trt")
+    with pytest.raises(BundleError, match="encoder must be one of"):
+        set_ensemble_encoder(repo, "tensorrt")
+    # a target lacking a tensor the ensemble maps is refused, and nothing changes
+    onnx_cfg = repo / "tiny-embed_python" / "config.pbtxt"
+    onnx_cfg.write_text(onnx_cfg.read_text().replace('"sentence_embedding"', '"pooled"'))
+    before = ensemble.read_text()
+    with pytest.raises(BundleError, match=r"lacks tensors \['sentence_embedding'\]"):
+        set_ensemble_encoder(repo, "python")
+    assert ensemble.read_text() == before
 
+
+# --- the Python models' plain functions ------------------------------------------------------------
 
 def test_package_never_imports_the_template():
     import mbert.export.triton  # noqa: F401
@@ -332,64 +371,52 @@ def test_package_never_imports_the_template():
     assert "mbert.export.triton_model" not in sys.modules
 
 
-@pytest.mark.parametrize("fixture", ["modernbert-base", "gte-modernbert-base"])
-def test_tokenize_batch(copied_model_py, fixture):
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(FIXTURES / fixture / "tokenizer.json"))
-    assert copied_model_py.resolve_pad_id(tokenizer) == PAD
-    ids, mask = copied_model_py.tokenize_batch(tokenizer, ["It's time for tea."], 64, PAD)
-    assert ids.dtype == np.int64 and mask.dtype == np.int64
-    assert ids.tolist() == [TEA_IDS] and mask.tolist() == [[1] * 8]
-
-    ids, mask = copied_model_py.tokenize_batch(
-        tokenizer, ["It's time for tea.", "", "The quick brown fox jumps over the lazy dog."],
-        64, PAD)
-    assert ids.shape == (3, 12)
-    assert ids[0].tolist() == TEA_IDS + [PAD] * 4 and mask[0].tolist() == [1] * 8 + [0] * 4
-    assert ids[1].tolist() == [CLS, SEP] + [PAD] * 10 and mask[1].sum() == 2
-    assert mask[2].tolist() == [1] * 12 and ids[2, -1] == SEP
-
-    ids, mask = copied_model_py.tokenize_batch(tokenizer, ["It's time for tea."], 5, PAD)
-    assert ids.tolist() == [TEA_IDS[:4] + [SEP]] and mask.tolist() == [[1] * 5]
+def test_decode_texts_names_the_bad_row():
+    texts = np.array([["tea".encode()], ["thé".encode()]], dtype=object)
+    assert triton_models.decode_texts(texts) == ["tea", "thé"]
+    with pytest.raises(ValueError, match=r"TEXT\[1\] is empty"):
+        triton_models.decode_texts(np.array([[b"a"], [b""]], dtype=object))
+    with pytest.raises(ValueError, match=r"TEXT\[0\] is not valid UTF-8 \(invalid start byte at byte 2\)"):
+        triton_models.decode_texts(np.array([[b"ab\xff"]], dtype=object))
 
 
-def test_triton_python_model_execute(copied_model_py, bundle: Path):
-    """Drive initialize/execute/finalize with a stand-in for triton_python_backend_utils."""
-    class Tensor:
-        def __init__(self, name, array):
-            self._name, self._array = name, array
+def test_bucket_length_and_row_lengths():
+    assert [triton_models.bucket_length(n, [16, 32, 64]) for n in (1, 16, 17, 64)] == [16, 16, 32, 64]
+    ids = np.zeros((2, 4), dtype=np.int64)
+    mask = np.array([[1, 1, 0, 0], [1, 1, 1, 1]])
+    assert triton_models.row_lengths(ids, mask, 4).tolist() == [2, 4]
+    for bad, message in [([[1, 0, 1, 0], [1, 1, 1, 1]], "row 0 must be"),
+                         ([[1, 1, 0, 0], [0, 0, 0, 0]], "row 1 must be")]:
+        with pytest.raises(ValueError, match=message):
+            triton_models.row_lengths(ids, np.array(bad), 4)
+    with pytest.raises(ValueError, match="row 1 must be 1 to 3 ones"):
+        triton_models.row_lengths(ids, mask, 3)
+    with pytest.raises(ValueError, match="equal"):
+        triton_models.row_lengths(ids, mask[:, :3], 4)
 
-        def name(self):
-            return self._name
 
-        def as_numpy(self):
-            return self._array
+def test_serving_copy_switches_the_encoder_and_leaves_the_bundle_alone(bundle: Path, tmp_path: Path):
+    """``mbert-run serve --encoder``: the server runs on a copy whose ensemble routes elsewhere; the
+    (sealed) repository itself is untouched, and the copy's large files are links to it."""
+    repo = write_triton_repository(bundle, make_spec())
+    before = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()}
+    copy = serving_copy(repo, "onnx", tmp_path / "serve")
+    assert ensembles(copy)["tiny-embed"][-1] == "tiny-embed_onnx"
+    assert ensembles(repo)["tiny-embed"][-1] == "tiny-embed_python"
+    assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == before
+    onnx_copy = copy / "tiny-embed_onnx" / "1" / "model.onnx"
+    assert onnx_copy.is_symlink() and onnx_copy.resolve() == (repo / "tiny-embed_onnx" / "1" / "model.onnx").resolve()
+    with pytest.raises(BundleError, match="no model tiny-embed_trt"):
+        serving_copy(repo, "trt", tmp_path / "serve2")
 
-    class Response:
-        def __init__(self, output_tensors, error=None):
-            self.outputs = {t.name(): t.as_numpy() for t in output_tensors}
-            self.error = error
 
-    class Request:
-        def __init__(self, texts):
-            self.inputs = {"TEXT": Tensor("TEXT", np.array([[t.encode()] for t in texts],
-                                                           dtype=object))}
+def test_serve_command_refuses_what_is_not_a_verified_bundle(bundle: Path, tmp_path: Path):
+    from click.testing import CliRunner
 
-    stub = types.SimpleNamespace(
-        Tensor=Tensor, InferenceResponse=Response, TritonError=lambda msg: msg,
-        get_input_tensor_by_name=lambda request, name: request.inputs.get(name))
-    copied_model_py.pb_utils = stub
-    config = parse(bundle / "triton" / "tiny-embed_tokenizer" / "config.pbtxt")
-    model = copied_model_py.TritonPythonModel()
-    model.initialize({"model_config": json.dumps(json_format.MessageToDict(
-        config, preserving_proto_field_name=True))})
-    assert model.max_len == 64 and model.pad_id == PAD
-    ok, broken = model.execute([Request(["It's time for tea.", "tea"]), object()])
-    assert ok.error is None
-    assert ok.outputs["input_ids"][0].tolist() == TEA_IDS
-    assert ok.outputs["attention_mask"].shape == (2, 8)
-    ids, mask = ok.outputs["input_ids"][1], ok.outputs["attention_mask"][1]
-    assert ids[mask == 0].tolist() == [PAD] * int((mask == 0).sum()) and 0 < mask.sum() < 8
-    assert broken.error and "tokenization failed" in broken.error
-    model.finalize()
+    from mbert.runtime.serve_cli import serve
+
+    write_triton_repository(bundle, make_spec())
+    result = CliRunner().invoke(serve, [str(bundle)])  # a repository, but no sealed manifest
+    assert result.exit_code == 1 and "no manifest.json" in result.output
+    result = CliRunner().invoke(serve, [str(tmp_path / "nope")])
+    assert result.exit_code == 1 and "no such bundle folder" in result.output

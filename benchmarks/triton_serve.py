@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""Served throughput: a real Triton server (nvidia-pytriton's tritonserver, Python backend, CPU)
+on the bundle's repository against ``Encoder.encode`` in-process, on the same texts.
+
+  in-process  Encoder.from_bundle(bundle, backend="onnxruntime", device="cpu").encode(corpus)
+              (one call: the runtime sorts the whole corpus by length and batches it)
+  served      the models ``mbert-run serve`` loads (ensemble -> tokenizer -> ONNX Runtime in the
+              Python backend), C concurrent clients on loopback (half HTTP, half gRPC), one text
+              per request, each client taking the next text of the corpus until it is done; the
+              server batches across requests (Triton's dynamic batcher + the runtime's batching)
+
+Target (issue 10): served >= 80% of in-process texts/s at saturating load on the 2-core build
+machine. The served vectors are checked against the in-process ones (min cosine). Triton's
+statistics give the batches the encoder ran (inference count / execution count).
+
+    python benchmarks/triton_serve.py            # full-size random gte-modernbert-base, 120 texts
+                                                 # up to 512 tokens -> results/triton_serve.md
+    python benchmarks/triton_serve.py --quick    # a 3-layer hidden-128 model, 200 short texts
+                                                 # (smoke test) -> results/triton_serve_quick.md
+
+The full-size checkpoint and bundle are shared with runtime_cpu.py (benchmarks/.cache/runtime_cpu/);
+the quick model lives in benchmarks/.cache/triton_serve/. Run on an otherwise idle machine.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
+
+from runtime_cpu import build_corpus, log, prepare  # noqa: E402
+
+CACHE = REPO / "benchmarks" / ".cache" / "triton_serve"
+SMALL = dict(num_hidden_layers=3, hidden_size=128, num_attention_heads=2, intermediate_size=192,
+             local_attention=16)
+FULL = dict(max_len=512, buckets=[("query", 60, 6, 30), ("passage", 40, 60, 300),
+                                  ("document", 20, 300, 512)])
+QUICK = dict(max_len=512, buckets=[("query", 120, 6, 30), ("passage", 60, 60, 300),
+                                   ("document", 20, 300, 512)])
+TARGET = 0.80
+
+
+def quick_bundle() -> Path:
+    """A small model's bundle (cached), for smoke runs."""
+    from helpers import make_checkpoint
+
+    from mbert.export.pipeline import ExportOptions, export_bundle
+
+    bundle = CACHE / "bundle-small"
+    if not (bundle / "manifest.json").is_file():
+        ck = make_checkpoint(CACHE / "checkpoint-small", base="gte-modernbert-base", layout="cls-pooling",
+                             seed=0, **SMALL)
+        log("exporting the small bundle")
+        export_bundle(ck, ExportOptions(out=bundle, max_seq_len=QUICK["max_len"], overwrite=True))
+    return bundle
+
+
+def in_process(bundle: Path, corpus: list[str]) -> tuple[float, np.ndarray, dict]:
+    from mbert.runtime import Encoder
+
+    enc = Encoder.from_bundle(bundle, backend="onnxruntime", device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        enc.encode(corpus[:8])  # warm-up
+        t0 = time.perf_counter()
+        vectors = enc.encode(corpus)
+        seconds = time.perf_counter() - t0
+    s = enc.last_stats
+    return seconds, vectors, {"batches": s.batches, "padded_tokens": s.padded_tokens, "tokens": s.tokens}
+
+
+def served(bundle: Path, corpus: list[str], clients: int) -> dict:
+    import tritonclient.http
+
+    from mbert.runtime import TritonEncoder
+    from mbert.runtime.serve import TritonServer, ensemble_models, repository_of
+
+    repo = repository_of(bundle)
+    models = ensemble_models(repo)
+    with TritonServer(repo, models=models, log=CACHE / "tritonserver.log") as server:
+        name = TritonEncoder(server.http_url).model
+        python = f"{name}_python"
+        stats_client = tritonclient.http.InferenceServerClient(server.http_url)
+        warm = TritonEncoder(server.http_url, model=name)
+        for text in corpus[:8]:
+            warm.encode([text])
+        before = stats_client.get_inference_statistics(python)["model_stats"][0]
+        results: list = [None] * len(corpus)
+        latencies: list[float] = []
+        errors: list[str] = []
+        cursor = iter(range(len(corpus)))
+        lock = threading.Lock()
+
+        def loop(c: int) -> None:
+            protocol = "http" if c % 2 == 0 else "grpc"
+            enc = TritonEncoder(server.http_url if protocol == "http" else server.grpc_url, model=name,
+                                protocol=protocol, timeout=600)
+            while True:
+                with lock:
+                    i = next(cursor, None)
+                if i is None:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    vec = enc.encode([corpus[i]])
+                except Exception as exc:  # noqa: BLE001 - counted and reported
+                    with lock:
+                        errors.append(f"text {i}: {exc}")
+                    continue
+                dt = time.perf_counter() - t0
+                with lock:
+                    results[i] = vec[0]
+                    latencies.append(dt)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=loop, args=(c,)) for c in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - t0
+        after = stats_client.get_inference_statistics(python)["model_stats"][0]
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    return {"seconds": seconds, "vectors": results, "latencies": np.array(latencies), "errors": errors,
+            "inferences": inferences, "executions": executions, "clients": clients}
+
+
+def report(args, corpus, lengths, ours, srv, vectors) -> str:
+    from mbert import export
+
+    capped = sum(min(n, args.max_len) for n in lengths)
+    seconds, _, info = ours
+    ok = [i for i, v in enumerate(srv["vectors"]) if v is not None]
+    got = np.stack([srv["vectors"][i] for i in ok]) if ok else np.zeros((0, vectors.shape[1]))
+    want = vectors[ok]
+    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1)) if ok else [0.0]
+    lat = srv["latencies"] * 1000 if len(srv["latencies"]) else np.zeros(1)
+    ratio = seconds / srv["seconds"]
+    lines = [f"# Served (Triton) vs in-process throughput on CPU{' (--quick)' if args.quick else ''}", "",
+             f"Run {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} on {platform.processor() or platform.machine()}, "
+             f"{os.cpu_count()} CPUs, Python {platform.python_version()}, mbert-export {export.__version__}, "
+             "tritonserver 2.51.0 (nvidia-pytriton 0.7.0), Python backend only. Load average at the "
+             f"start: {args.load:.1f} (numbers mean little unless it is near 0).",
+             f"Model: {args.model}.",
+             f"Corpus: {len(corpus)} texts cut from the built-in calibration set, {capped} tokens "
+             f"(lengths {min(lengths)}..{max(lengths)}), max length {args.max_len}.",
+             f"Served: {srv['clients']} concurrent clients on loopback (half HTTP, half gRPC), one text per "
+             "request, the corpus once; in-process: one Encoder.encode call on the whole corpus "
+             "(batch_size 32), after a warm-up.", "",
+             "| system | seconds | texts/s | tokens/s | vs in-process |", "|---|---|---|---|---|",
+             f"| in-process Encoder.encode | {seconds:.2f} | {len(corpus) / seconds:.1f} | {capped / seconds:.0f} | 1.00 |",
+             f"| served (Triton) | {srv['seconds']:.2f} | {len(corpus) / srv['seconds']:.1f} | "
+             f"{capped / srv['seconds']:.0f} | {ratio:.2f} |", "",
+             f"Target: served >= {TARGET:.0%} of in-process: **{'met' if ratio >= TARGET else 'MISSED'}** "
+             f"({ratio:.0%}).",
+             f"Served latency per request: p50 {np.percentile(lat, 50):.1f} ms, p99 {np.percentile(lat, 99):.1f} ms. "
+             f"Failed requests: {len(srv['errors'])}{' (' + srv['errors'][0] + ')' if srv['errors'] else ''}.",
+             f"Triton statistics of the encoder model: {srv['inferences']} inferences in {srv['executions']} "
+             f"executions (mean batch {srv['inferences'] / max(1, srv['executions']):.2f} requests).",
+             f"In-process: {info['batches']} batches, {info['padded_tokens']} padded tokens for {info['tokens']}.",
+             f"Served vs in-process vectors: min cosine {float(np.min(cos)):.7f} over {len(ok)} texts."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small model, short run (smoke test)")
+    ap.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    spec = QUICK if args.quick else FULL
+    args.max_len, args.load = spec["max_len"], os.getloadavg()[0]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        bundle = quick_bundle()
+        args.model = "random gte-modernbert-base-shaped, 3 layers, hidden 128 (smoke test, not the target size)"
+    else:
+        _, bundle = prepare(spec["max_len"])
+        args.model = "random full-size gte-modernbert-base weights (22 layers, hidden 768, CLS pooling)"
+    write_repository(bundle)
+    corpus = build_corpus(bundle / "tokenizer.json", spec)
+    from tokenizers import Tokenizer
+
+    lengths = [len(e.ids) for e in Tokenizer.from_file(str(bundle / "tokenizer.json")).encode_batch(corpus)]
+    log(f"corpus: {len(corpus)} texts, {sum(lengths)} tokens; in-process run")
+    ours = in_process(bundle, corpus)
+    log(f"in-process: {ours[0]:.2f}s; served run ({args.clients} clients)")
+    srv = served(bundle, corpus, args.clients)
+    log(f"served: {srv['seconds']:.2f}s")
+    text = report(args, corpus, lengths, ours, srv, ours[1])
+    out = args.out or REPO / "benchmarks" / "results" / ("triton_serve_quick.md" if args.quick else "triton_serve.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    log(f"wrote {out}")
+
+
+def write_repository(bundle: Path) -> None:
+    """(Re)write the bundle's triton/ with the current writer (a cached bundle may predate it)."""
+    import json
+
+    from mbert.export.triton import TritonSpec, write_triton_repository
+    from mbert.runtime import Encoder
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    enc = Encoder.from_bundle(bundle, backend="onnxruntime", device="cpu", verify=False)
+    write_triton_repository(bundle, TritonSpec(
+        name=manifest["name"], max_length=enc.max_length, inputs=tuple(manifest["io"]["inputs"]),
+        outputs=tuple(manifest["io"]["outputs"]), pad_id=enc.pad_id))
+
+
+if __name__ == "__main__":
+    main()

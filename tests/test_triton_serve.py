@@ -1,0 +1,378 @@
+"""A real Triton Inference Server (nvidia-pytriton's tritonserver, Python backend only, CPU) on a
+bundle's repository: every model accepted by the server's own config parser, the ensemble equal to
+``Encoder.encode`` over HTTP and gRPC, bad requests refused while the server stays up, a bounded
+concurrent load on loopback, and ``mbert-run serve``'s start / signal / shutdown.
+
+One server for the module (free loopback ports, bounded start, stopped even when a test fails).
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import SMALL, make_checkpoint
+from mbert.bundle import open_bundle
+from mbert.bundle.texts import calibration_texts
+from mbert.export.options import ExportOptions
+from mbert.export.pipeline import export_bundle
+from mbert.export.trt_build import profiles_from
+from mbert.export.triton import spec_for, write_triton_repository
+from mbert.modeling.errors import MbertError
+from mbert.runtime import Encoder, TritonEncoder
+from mbert.runtime.serve import ServeError, TritonServer, find_tritonserver, prepare_backends
+from mbert.runtime.triton_models import TRUNCATED_METRIC
+
+tritonclient_http = pytest.importorskip("tritonclient.http")
+pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+MAX_LEN, MAX_BATCH = 512, 32
+MIN_COSINE = 0.99999
+PLAN_PLACEHOLDER = b"placeholder: this server has no TensorRT backend, so the plan is never read"
+BROKEN = "zz_broken"
+
+
+@dataclass
+class Served:
+    server: TritonServer
+    bundle: Path
+    name: str
+    encoder: Encoder
+    texts: list[str]
+    want: np.ndarray
+    want_truncated: list[int]
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Served:
+    try:
+        find_tritonserver()
+    except ServeError as exc:
+        pytest.skip(str(exc))
+    root = tmp_path_factory.mktemp("triton-serve")
+    ck = make_checkpoint(root / "ck", base="gte-modernbert-base", layout="mean-normalize", seed=2, **dict(SMALL, num_hidden_layers=3))
+    bundle = root / "bundle"
+    export_bundle(ck, ExportOptions(out=bundle, max_seq_len=MAX_LEN))
+    shutil.copytree(bundle, root / "sealed")  # untouched, for mbert-run serve (which verifies the bundle)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # truncation warning
+        encoder = Encoder.from_bundle(bundle, backend="onnxruntime", device="cpu")
+        texts = calibration_texts()
+        want = encoder.encode(texts)
+    manifest = open_bundle(bundle).manifest
+    (bundle / "model.plan").write_bytes(PLAN_PLACEHOLDER)  # so the repository has a TensorRT model
+    spec = replace(spec_for(manifest, max_batch=MAX_BATCH, ensemble_outputs=("sentence_embedding", "last_hidden_state")),
+                   has_plan=True, profiles=tuple(profiles_from(MAX_BATCH, MAX_LEN)))
+    repo = write_triton_repository(bundle, spec)
+    # the ONNX Runtime model's config with one misspelt field: Triton's parser must refuse it
+    # before it looks for the backend (shows the acceptance check can fail)
+    broken = repo / BROKEN
+    (broken / "1").mkdir(parents=True)
+    text = (repo / f"{spec.model_name}_onnx" / "config.pbtxt").read_text()
+    (broken / "config.pbtxt").write_text(text.replace(f'"{spec.model_name}_onnx"', f'"{BROKEN}"')
+                                         .replace("max_batch_size:", "max_batch_sise:"))
+    with TritonServer(repo, backend_cache=root / "backends", ready_timeout=240) as server:
+        yield Served(server, bundle, spec.model_name, encoder, texts, want,
+                     list(encoder.last_stats.truncated_indices))
+
+
+def http_client(served: Served):
+    return tritonclient_http.InferenceServerClient(served.server.http_url, network_timeout=60)
+
+
+def statistics(served: Served, model: str) -> dict:
+    return http_client(served).get_inference_statistics(model)["model_stats"][0]
+
+
+def truncated_metric(served: Served) -> float:
+    text = urllib.request.urlopen(served.server.metrics_url, timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(TRUNCATED_METRIC + "{") and f'model="{served.name}_tokenizer"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{TRUNCATED_METRIC} not on {served.server.metrics_url}")
+
+
+# --- the repository as the server sees it ---------------------------------------------------------
+
+def test_server_accepts_every_model(served):
+    client = http_client(served)
+    index = {m["name"]: m for m in client.get_model_repository_index()}
+    name = served.name
+    assert set(index) == {name, f"{name}_tokenizer", f"{name}_python", f"{name}_onnx", f"{name}_trt",
+                          BROKEN}
+    for model in (name, f"{name}_tokenizer", f"{name}_python"):
+        assert index[model]["state"] == "READY", index[model]
+    # the ONNX Runtime / TensorRT configs were parsed; only their backend is missing (this server
+    # checks the backend before the tensors, so their semantic checks need a server with them)
+    for model, backend in ((f"{name}_onnx", "onnxruntime"), (f"{name}_trt", "tensorrt")):
+        assert index[model]["state"] == "UNAVAILABLE"
+        assert f"unable to find backend library for backend '{backend}'" in index[model]["reason"]
+    # a config the parser refuses gets no state at all: the server never reached its backend
+    assert "state" not in index[BROKEN] and "version" not in index[BROKEN]
+    assert f"Poll failed for model directory '{BROKEN}': failed to read text proto" in \
+        served.server.log_path.read_text()
+    # the server's own reading of the configs
+    python = client.get_model_config(f"{name}_python")
+    assert python["max_batch_size"] == MAX_BATCH
+    assert all(i["allow_ragged_batch"] for i in python["input"])
+    assert python["parameters"]["role"]["string_value"] == "encoder"
+    ensemble = client.get_model_config(name)
+    assert [s["model_name"] for s in ensemble["ensemble_scheduling"]["step"]] == \
+        [f"{name}_tokenizer", f"{name}_python"]
+    assert client.is_server_live()
+
+
+# --- answers equal to Encoder.encode -------------------------------------------------------------
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_ensemble_equals_encoder(served, protocol):
+    url = served.server.http_url if protocol == "http" else served.server.grpc_url
+    client = TritonEncoder(url, protocol=protocol)
+    assert client.model == served.name and client.max_batch == MAX_BATCH
+    batched = client.encode(served.texts)  # one request of 24 texts
+    assert batched.dtype == np.float32 and batched.shape == served.want.shape
+    assert cosines(batched, served.want).min() >= MIN_COSINE
+    np.testing.assert_allclose(batched, served.want, atol=1e-5)
+    assert cosines(batched, np.roll(served.want, 1, axis=0)).min() < MIN_COSINE  # the check can fail
+    assert client.last_stats.truncated_indices == served.want_truncated and served.want_truncated
+    assert client.last_stats.batches == 1
+    single = np.stack([client.encode(t) for t in served.texts])  # one request per text
+    assert cosines(single, served.want).min() >= MIN_COSINE
+    small = client.encode(served.texts, batch_size=5)  # requests of 5
+    assert client.last_stats.batches == 5 and cosines(small, served.want).min() >= MIN_COSINE
+    assert client.encode([]).shape == (0, served.want.shape[1]) and client.last_stats.batches == 0
+    with pytest.raises(TypeError, match=r"texts\[1\] is bytes"):
+        client.encode(["tea", b"tea"])
+
+
+def test_last_hidden_state_equals_encoder(served):
+    client = TritonEncoder(served.server.grpc_url, protocol="grpc")
+    texts = served.texts[:8]
+    got = client.encode(texts, output="tokens")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = served.encoder.encode(texts, output="tokens")
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        assert cosines(g, w).min() >= MIN_COSINE
+        np.testing.assert_allclose(g, w, atol=1e-4)
+
+
+# --- the tokenizer's length buckets ---------------------------------------------------------------
+
+def test_tokenizer_pads_requests_to_length_buckets(served):
+    client = http_client(served)
+    texts = ["tea", "The quick brown fox jumps over the lazy dog, " * 2, "word " * 200]
+    want = [e.ids for e in served.encoder.text.encode(texts)]
+    assert [len(w) for w in want] == [4, 23, 203]
+    for rows, bucket in (([0], 16), ([0, 1], 32), ([1, 2], 256)):
+        result = _infer(client, f"{served.name}_tokenizer",
+                        [("TEXT", np.array([[texts[i].encode()] for i in rows], dtype=object), "BYTES")])
+        ids, mask = result.as_numpy("input_ids"), result.as_numpy("attention_mask")
+        assert ids.shape == (len(rows), bucket)
+        for r, i in enumerate(rows):
+            n = len(want[i])
+            assert ids[r, :n].tolist() == want[i] and mask[r].tolist() == [1] * n + [0] * (bucket - n)
+            assert (ids[r, n:] == served.encoder.pad_id).all()
+        assert result.as_numpy("num_tokens").ravel().tolist() == [len(want[i]) for i in rows]
+
+
+# --- bad requests --------------------------------------------------------------------------------
+
+def _infer(client, model, inputs):
+    tensors = []
+    for name, array, dtype in inputs:
+        t = tritonclient_http.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        tensors.append(t)
+    return client.infer(model, tensors)
+
+
+def test_bad_requests_get_errors_and_the_server_stays_up(served):
+    client = http_client(served)
+    name = served.name
+    text = lambda *rows: np.array([[r] for r in rows], dtype=object)  # noqa: E731
+    cases = [
+        ("empty text", name, [("TEXT", text(b"tea", b""), "BYTES")], r"TEXT\[1\] is empty"),
+        ("non-UTF-8", name, [("TEXT", text(b"caf\xe9 au lait"), "BYTES")],
+         r"TEXT\[0\] is not valid UTF-8 \(invalid continuation byte at byte 3\)"),
+        ("wrong dtype", name, [("TEXT", np.array([[1.5]], dtype=np.float32), "FP32")],
+         "data-type is 'FP32', but model .* expects 'BYTES'"),
+        ("wrong shape", name, [("TEXT", np.array([[b"a", b"b"]], dtype=object), "BYTES")],
+         r"unexpected shape for input 'TEXT'.*Expected \[-1,1\], got \[1,2\]"),
+        ("batch over max_batch_size", name, [("TEXT", text(*[b"tea"] * (MAX_BATCH + 1)), "BYTES")],
+         f"batch-size must be <= {MAX_BATCH}"),
+        ("mask not right-padded", f"{name}_python",
+         [("input_ids", np.ones((1, 4), dtype=np.int64), "INT64"),
+          ("attention_mask", np.array([[1, 0, 1, 0]], dtype=np.int64), "INT64")],
+         "attention_mask row 0 must be 1 to 512 ones then zeros"),
+    ]
+    for label, model, inputs, message in cases:
+        with pytest.raises(InferenceServerException, match=message) as info:
+            _infer(client, model, inputs)
+        assert info.value.status() == "400", label
+        assert client.is_server_live() and client.is_server_ready(), label
+
+    # far past the maximum length: truncated exactly as the runtime truncates, and counted
+    before = truncated_metric(served)
+    long_text = "Tea time is a fine time. " * 40000  # ~1 MB, ~240k tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = served.encoder.encode([long_text, "short"])
+        assert served.encoder.last_stats.truncated_indices == [0]
+    result = _infer(client, name, [("TEXT", text(long_text.encode(), b"short"), "BYTES")])
+    assert result.as_numpy("num_tokens").ravel().tolist() == [MAX_LEN, 3]
+    assert result.as_numpy("truncated").ravel().tolist() == [True, False]
+    assert cosines(result.as_numpy("sentence_embedding"), want).min() >= MIN_COSINE
+    assert truncated_metric(served) == before + 1
+    tokens = _infer(client, f"{name}_tokenizer", [("TEXT", text(long_text.encode()), "BYTES")])
+    assert tokens.as_numpy("input_ids")[0].tolist() == served.encoder.text.encode([long_text])[0].ids
+    assert client.is_server_ready()
+    # and ordinary requests still work
+    again = TritonEncoder(served.server.http_url).encode(served.texts[:3])
+    assert cosines(again, served.want[:3]).min() >= MIN_COSINE
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+def _mixed_texts() -> list[str]:
+    """Deterministic texts of mixed lengths: prefixes of 3 to ~700 words of the built-in texts."""
+    out = []
+    for i, text in enumerate(calibration_texts()):
+        words = text.split()
+        for n in (3, 12, 40, 150, 700):
+            if n <= len(words) or n == 3:
+                out.append(" ".join(words[: n + i % 5]))
+    return out
+
+
+def test_concurrent_load(served):
+    clients, per_client = 16, 50
+    pool = _mixed_texts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = served.encoder.encode(pool)
+    before = {m: statistics(served, m) for m in (f"{served.name}_tokenizer", f"{served.name}_python")}
+    latencies: list[float] = []
+    failures: list[str] = []
+    worst = [1.0]
+    lock = threading.Lock()
+
+    def client_loop(c: int) -> None:
+        protocol = "http" if c % 2 == 0 else "grpc"
+        try:
+            enc = TritonEncoder(served.server.http_url if protocol == "http" else served.server.grpc_url,
+                                model=served.name, protocol=protocol, timeout=120)
+            for r in range(per_client):
+                k = (c * 7 + r * 13) % len(pool)
+                t0 = time.perf_counter()
+                got = enc.encode([pool[k]])
+                dt = time.perf_counter() - t0
+                cos = float(cosines(got, want[k: k + 1]).min())
+                with lock:
+                    latencies.append(dt)
+                    worst[0] = min(worst[0], cos)
+        except (MbertError, OSError) as exc:
+            with lock:
+                failures.append(f"client {c}: {exc}")
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    wall = time.perf_counter() - start
+    assert not any(t.is_alive() for t in threads), "load test clients hung"
+    assert failures == []
+    assert len(latencies) == clients * per_client  # none lost
+    assert worst[0] >= MIN_COSINE
+
+    after = {m: statistics(served, m) for m in before}
+    python = f"{served.name}_python"
+    inferences = after[python]["inference_count"] - before[python]["inference_count"]
+    executions = after[python]["execution_count"] - before[python]["execution_count"]
+    assert inferences == clients * per_client
+    tok = f"{served.name}_tokenizer"
+    assert after[tok]["inference_count"] - before[tok]["inference_count"] == clients * per_client
+    sizes = {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in after[python]["batch_stats"]}
+    assert executions < inferences and max(sizes) > 1  # requests shared batches
+    lat = np.array(latencies) * 1000
+    print(f"\nload: {clients} clients x {per_client} requests (1 text each, {len(pool)} distinct texts of "
+          f"mixed lengths), {wall:.2f}s wall, {len(lat) / wall:.1f} req/s; latency p50 "
+          f"{np.percentile(lat, 50):.1f} ms, p99 {np.percentile(lat, 99):.1f} ms; {python}: {inferences} "
+          f"inferences in {executions} executions (mean batch {inferences / executions:.2f}); batch sizes "
+          f"seen (all time): {dict(sorted(sizes.items()))}")
+
+
+# --- mbert-run serve -----------------------------------------------------------------------------
+
+def test_serve_command_starts_answers_and_stops_on_signal(served):
+    sealed = served.bundle.parent / "sealed"
+    command = [sys.executable, "-c", "from mbert.runtime.serve_cli import serve; serve()", str(sealed),
+               "--ready-timeout", "240"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = process.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("Ctrl-C stops it."):
+                break
+        banner = "".join(lines)
+        assert "Ctrl-C stops it." in banner, banner[-3000:]
+        http = next(x.split()[-1] for x in lines if x.strip().startswith("HTTP"))
+        curl = next(x for x in lines if x.strip().startswith("try"))
+        assert f"curl -s -X POST {http}/v2/models/{served.name}/infer" in curl
+        got = TritonEncoder(http.removeprefix("http://")).encode(served.texts[:4])
+        assert cosines(got, served.want[:4]).min() >= MIN_COSINE
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)  # drains stderr (Triton's shutdown log)
+        assert process.returncode == 0
+        open_bundle(sealed)  # serving wrote nothing into the sealed bundle (no __pycache__)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+# --- the launcher's failure paths (no fixture server) ---------------------------------------------
+
+def test_server_that_cannot_start_raises_with_its_log(tmp_path):
+    try:
+        install = find_tritonserver()
+    except ServeError as exc:
+        pytest.skip(str(exc))
+    backends = prepare_backends(install, tmp_path / "backends")
+    assert prepare_backends(install, tmp_path / "backends") == backends  # made once
+    assert (backends / "python" / "triton_python_backend_stub").is_file()
+    assert (backends / "python" / "libtriton_python.so").is_file()
+    repo = tmp_path / "repo"
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "config.pbtxt").write_text('name: "broken"\nbackend: "python"\nmax_batch_sise: 1\n')
+    server = TritonServer(repo, models=["broken"], install=install, backend_cache=tmp_path / "backends",
+                          ready_timeout=120)
+    with pytest.raises(ServeError, match=r"(?s)tritonserver exited with status 1 before it was ready.*"
+                                         r"failed to read text proto"):
+        with server:
+            pass
+    assert server.process.returncode == 1 and not server.log_path.exists()  # temporary log removed
