@@ -282,6 +282,8 @@ def test_can_run_reads_the_installed_version():
     (dict(compute_capabilities=("8.6",), hardware_compatible=True), "exclude each other"),
     (dict(fp16=False, engine="tensorrt-rtx"), "they apply only with --fp16"),
     (dict(workspace_gib=0.0), "--workspace-gib must be a positive number"),
+    (dict(engine="tensorrt-rtx", triton_encoder="trt"), "needs --fp16 and a datacenter TensorRT engine (Triton cannot "
+                                                        "load TensorRT-RTX plans)"),
 ])
 def test_engine_options_are_checked(kwargs, message):
     with pytest.raises(OptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
