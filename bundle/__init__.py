@@ -25,14 +25,17 @@ from mbert.modeling.config import ModernBertConfig
 
 from .check import cross_check, model_info
 from mbert.modeling.paths import inside
+from .engine import (BuilderOptions, EngineRecord, EngineValidation, Gpu, NetworkCounts, PrecisionWalk, Profile,
+                     SiteCheck, TensorRTVerdict)
 from .int8 import BlindInt8Record, Int8Check, Int8Record, MatrixPlan, RetrievalRecord
-from .manifest import (FORMAT_VERSION, IO, MANIFEST, EngineRecord, FileEntry, GraphRecord, LayerKindError,
-                       Manifest, ModelInfo, PrecisionRecord, Profile, Source, TritonRecord, read, read_raw, write)
+from .manifest import (FORMAT_VERSION, IO, MANIFEST, FileEntry, GraphRecord, LayerKindError, Manifest, ModelInfo,
+                       PrecisionRecord, Source, TritonRecord, read, read_raw, write)
 from mbert.modeling.paths import RelPath, check_relpath
 
 __all__ = [
     "Bundle", "open_bundle", "FORMAT_VERSION", "MANIFEST", "IO", "EngineRecord", "FileEntry", "GraphRecord",
     "LayerKindError", "Manifest", "ModelInfo", "PrecisionRecord", "Profile", "Source", "TritonRecord",
+    "BuilderOptions", "EngineValidation", "Gpu", "NetworkCounts", "PrecisionWalk", "SiteCheck", "TensorRTVerdict",
     "RelPath", "check_relpath", "cross_check", "inside", "model_info", "read", "read_raw", "write",
     "BlindInt8Record", "Int8Check", "Int8Record", "MatrixPlan", "RetrievalRecord",
 ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import operator
 import os
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -22,6 +21,7 @@ from mbert.modeling.graph import TensorSpec
 from mbert.modeling.pooling import PoolingConfig
 
 from . import files as files_mod
+from .engine import EngineRecord, TensorRTVerdict
 from .int8 import Int8Record
 from .schema import RelPath, from_json, to_json
 from .validation import ValidationReport
@@ -97,52 +97,7 @@ class PrecisionRecord:
     per_layer_kind: dict[str, LayerKindError]
     naive_fp16: ValidationReport | None  # the naive all-FP16 conversion on the same grid (reference only)
     naive_fp16_error: str | None = None  # why the naive conversion could not even run
-
-
-@dataclass(frozen=True)
-class Profile:
-    """One TensorRT optimization profile: (batch, sequence) for every network input."""
-
-    min: tuple[int, int]
-    opt: tuple[int, int]
-    max: tuple[int, int]
-
-    def __post_init__(self) -> None:
-        for name in ("min", "opt", "max"):
-            value = getattr(self, name)
-            try:
-                if isinstance(value, (str, bytes)) or len(value) != 2 or any(isinstance(v, bool) for v in value):
-                    raise TypeError
-                object.__setattr__(self, name, (operator.index(value[0]), operator.index(value[1])))
-            except TypeError:
-                raise ValueError(f"profile {name} must be a (batch, sequence) pair of ints, got {value!r}") from None
-        for axis, label in ((0, "batch"), (1, "sequence")):
-            lo, mid, hi = self.min[axis], self.opt[axis], self.max[axis]
-            if not 1 <= lo <= mid <= hi:
-                raise ValueError(f"profile {label} sizes must satisfy 1 <= min <= opt <= max, "
-                                 f"got min={lo} opt={mid} max={hi}")
-
-    def covers(self, batch: int, seq: int) -> bool:
-        return self.min[0] <= batch <= self.max[0] and self.min[1] <= seq <= self.max[1]
-
-    def __str__(self) -> str:
-        return f"min={self.min} opt={self.opt} max={self.max}"
-
-
-@dataclass(frozen=True)
-class EngineRecord:
-    """A TensorRT plan of the bundle and where it was built."""
-
-    file: RelPath
-    onnx: RelPath  # the graph it was built from
-    tensorrt_version: str
-    gpu_name: str
-    compute_capability: str
-    profiles: tuple[Profile, ...]
-    workspace_gib: float
-    builder_optimization_level: int
-    build_seconds: float
-    validation: ValidationReport | None
+    naive_fp16_tensorrt: TensorRTVerdict | None = None  # TensorRT's verdict on the naive graph (None: no builder)
 
 
 @dataclass(frozen=True)
@@ -200,7 +155,9 @@ class Manifest:
         if self.precision is not None:
             refs += [("precision.plan", self.precision.plan), ("precision.plot", self.precision.plot)]
         if self.engine is not None:
-            refs += [("engine.file", self.engine.file), ("engine.onnx", self.engine.onnx)]
+            refs += [("engine.file", self.engine.file), ("engine.onnx", self.engine.onnx),
+                     ("engine.build_log", self.engine.build_log),
+                     ("engine.precision_walk.file", self.engine.precision_walk.file)]
         if self.int8 is not None:
             refs += [("int8.plan", self.int8.plan), ("int8.plot", self.int8.plot)]
         return refs

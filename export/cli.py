@@ -32,13 +32,22 @@ import click
 @click.option("--opt-batch", type=int, help="Batch TensorRT tunes for (default: max-batch/2).")
 @click.option("--opt-seq-len", type=int, help="Sequence length TensorRT tunes for (default: 512).")
 @click.option("--split-seq", help="Several engine profiles split at these lengths, e.g. 512,8192.")
-@click.option("--workspace-gib", type=float, default=4.0, show_default=True, help="TensorRT builder workspace.")
-@click.option("--no-engine", is_flag=True, help="With --fp16: skip the TensorRT engine.")
+@click.option("--workspace-gib", type=float, help="Cap on the TensorRT builder's workspace (default: TensorRT's own, "
+              "the GPU's memory).")
+@click.option("--engine", type=click.Choice(["auto", "tensorrt", "tensorrt-rtx", "none"]), default=None,
+              help="With --fp16: the TensorRT family that builds the engine (default auto: the builder installed "
+                   "here; tensorrt: datacenter GPUs and Triton; tensorrt-rtx: RTX/A10/L4 GPUs, builds without a GPU).")
+@click.option("--compute-capability", "compute_capability",
+              help="TensorRT-RTX targets, e.g. 8.6,8.9,12.0 (default: 8.0,8.6,8.9,12.0).")
+@click.option("--hardware-compatible", is_flag=True,
+              help="Datacenter TensorRT: a plan for any Ampere or newer GPU (possibly slower).")
+@click.option("--no-engine", is_flag=True, help="With --fp16: skip the TensorRT engine (same as --engine none).")
 @click.option("--triton-encoder", type=click.Choice(["python", "onnx", "trt"]), default="python", show_default=True,
               help="What the Triton ensemble routes to: ONNX Runtime in the Python backend (any Triton), the ONNX "
                    "Runtime backend, or the TensorRT plan. Switch later with mbert-run serve --encoder.")
 @click.option("--engine-only", "engine_only", type=click.Path(path_type=Path),
-              help="Build the TensorRT engine for an existing --fp16 bundle (on a GPU machine), no re-export.")
+              help="Build the TensorRT engine for an existing --fp16 bundle (where a TensorRT builder is installed), "
+                   "no re-export.")
 @click.option("--random-checkpoint", "random_checkpoint", type=click.Path(path_type=Path),
               help="Write a checkpoint with RANDOM weights (ModernBERT's architecture and tokenizer) to this "
                    "folder and stop: for trying the tool offline.")
@@ -46,18 +55,23 @@ import click
               help="With --random-checkpoint: 'base' is the published ModernBERT-base shape, 'tiny' a small one.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibration, margin, max_batch, opt_batch,
-         opt_seq_len, split_seq, workspace_gib, no_engine, triton_encoder, engine_only, random_checkpoint, preset,
-         debug):
+         opt_seq_len, split_seq, workspace_gib, engine, compute_capability, hardware_compatible, no_engine,
+         triton_encoder, engine_only, random_checkpoint, preset, debug):
     """Export a ModernBERT-family checkpoint (hub id or local folder) to a validated bundle.
 
     \b
     mbert-export answerdotai/ModernBERT-base            # needs network (or the HF cache)
     mbert-export ./my-checkpoint --fp16 --max-seq-len 2048
     mbert-export ./my-checkpoint --int8                  # + model.int8.onnx for CPU serving
-    mbert-export --engine-only engines/my-checkpoint    # later, on a GPU machine
+    mbert-export ./my-checkpoint --fp16 --engine tensorrt-rtx --compute-capability 8.6,8.9
+    mbert-export --engine-only engines/my-checkpoint    # later, where a TensorRT builder is installed
     mbert-export --random-checkpoint ./random-tiny      # RANDOM weights, to try the tool offline
     """
     split = _ints(split_seq)
+    if no_engine and engine not in (None, "none"):
+        raise click.UsageError(f"--no-engine contradicts --engine {engine}")
+    engine = "none" if no_engine else engine or "auto"
+    targets = tuple(c.strip() for c in compute_capability.split(",")) if compute_capability is not None else None
     if sum(x is not None for x in (model, engine_only, random_checkpoint)) != 1:
         raise click.UsageError("give exactly one of MODEL (a hub id or checkpoint folder), --engine-only BUNDLE "
                                "or --random-checkpoint FOLDER")
@@ -75,9 +89,12 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibratio
             return
         if engine_only is not None:
             from .engine_only import build_for_bundle
+            from .options import ExportOptions
 
-            click.echo(build_for_bundle(engine_only, max_batch=max_batch, opt_batch=opt_batch, opt_seq_len=opt_seq_len,
-                                        split_seq=split, workspace_gib=workspace_gib, report=echo))
+            options = ExportOptions(fp16=True, max_batch=max_batch, opt_batch=opt_batch, opt_seq_len=opt_seq_len,
+                                    split_seq=split, workspace_gib=workspace_gib, engine=engine,
+                                    compute_capabilities=targets, hardware_compatible=hardware_compatible)
+            click.echo(build_for_bundle(engine_only, options, report=echo))
             return
         from .options import ExportOptions
         from .pipeline import export_bundle
@@ -85,8 +102,8 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibratio
         options = ExportOptions(out=out, max_seq_len=max_seq_len, opset=opset, overwrite=overwrite, task=task,
                                 fp16=fp16, calibration=calibration, margin=margin, max_batch=max_batch,
                                 opt_batch=opt_batch, opt_seq_len=opt_seq_len, split_seq=split,
-                                workspace_gib=workspace_gib, engine=not no_engine, triton_encoder=triton_encoder,
-                                int8=int8)
+                                workspace_gib=workspace_gib, engine=engine, compute_capabilities=targets,
+                                hardware_compatible=hardware_compatible, triton_encoder=triton_encoder, int8=int8)
         t0 = time.perf_counter()
         result = export_bundle(model, options, report=echo)
         click.echo(summary(result))
@@ -95,6 +112,11 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibratio
         click.echo("interrupted: no bundle was written or changed", err=True)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - every failure ends as one line and an exit code
+        from .transaction import was_interrupted
+
+        if was_interrupted():  # the interrupt was caught and re-raised as another error on its way up
+            click.echo("interrupted: no bundle was written or changed", err=True)
+            sys.exit(130)
         if debug:
             raise
         sys.exit(fail(exc))

@@ -1,8 +1,9 @@
-"""``mbert-export --engine-only BUNDLE``: build the TensorRT engine of an existing --fp16 bundle on a
-GPU machine, validate it against the bundle's FP32 ONNX graph, and update manifest and Triton repo.
+"""``mbert-export --engine-only BUNDLE``: build the TensorRT engine of an existing --fp16 bundle, check it
+inside TensorRT (the precision walk), validate it where it can run, and update manifest and Triton
+repo (the engine stage's steps: :mod:`mbert.export.engine`).
 
 It is a transaction like the export: the bundle is staged (hard links), the plan is built and
-validated in the staging folder, and the staging folder replaces the bundle only when everything
+checked in the staging folder, and the staging folder replaces the bundle only when everything
 passed; on any failure the bundle stays byte-identical."""
 from __future__ import annotations
 
@@ -12,46 +13,50 @@ from pathlib import Path
 from mbert.bundle import open_bundle, write
 from mbert.bundle.texts import calibration_texts
 from mbert.bundle.validation import build_cases, default_grid
-from mbert.modeling.errors import BundleError, EngineError
+from mbert.modeling.errors import BundleError, OptionError
 from mbert.modeling.tokenizer import load_tokenizer
 
-from .engine import PLAN_FILE, validate_engine
+from .engine import BUILD_LOG, PLAN_FILE, TIMING_CACHE, WALK_FILE, build_in, chosen
+from .options import ExportOptions
 from .transaction import stage_copy, transaction
 
 
-def build_for_bundle(bundle: Path, *, max_batch: int, opt_batch=None, opt_seq_len=None, split_seq=None,
-                     workspace_gib: float = 4.0, report=lambda e, m: None) -> str:
-    from .tensorrt import build_engine, profiles_from, tensorrt_available
+def build_for_bundle(bundle: Path, options: ExportOptions, report=lambda e, m: None) -> str:
+    """Build the engine of ``bundle`` with ``options``' engine settings (``fp16`` must be set: the
+    engine is built from the FP16 graph); the Triton repository keeps its own settings. Returns the
+    line to print."""
+    from mbert.runtime.trt_family import resolve_family
+
     from .triton import record_of, spec_for, write_triton_repository
 
+    options.check()
+    if options.engine == "none":
+        raise OptionError("--engine-only builds an engine: --engine none (or --no-engine) contradicts it")
     bundle = Path(bundle)
-    opened = open_bundle(bundle)
-    manifest = opened.manifest
+    manifest = open_bundle(bundle).manifest
     fp16 = manifest.graph("fp16")
-    if fp16 is None:
+    if fp16 is None or manifest.precision is None:
         raise BundleError(f"{bundle}: has no FP16 graph; export it with --fp16 first")
-    ok, reason = tensorrt_available()
-    if not ok:
-        raise EngineError(f"cannot build an engine here: {reason}")
-    profiles = profiles_from(max_batch, manifest.max_seq_len, opt_batch, opt_seq_len, split_seq)
+    found = resolve_family(options.family)
+    report("info", f"engine: {chosen(found, options)}")
     m = manifest.model
     cases = build_cases(load_tokenizer(bundle), calibration_texts(),
                         default_grid(m.local_attention // 2, manifest.max_seq_len),
                         m.cls_token_id, m.sep_token_id, m.pad_token_id)
     with transaction(bundle, overwrite=True, report=lambda msg: report("info", msg)) as tmp:
         stage_copy(bundle, tmp)
-        (tmp / PLAN_FILE).unlink(missing_ok=True)
-        report("stage", "[1/3] engine")
-        record = build_engine(tmp / fp16.file, tmp / PLAN_FILE, profiles, workspace_gib=workspace_gib,
-                              timing_cache_path=bundle.parent / ".trt-timing.cache")
-        report("stage", "[2/3] validate engine")
-        record = replace(record, validation=validate_engine(tmp, cases))
-        report("stage", "[3/3] write")
-        updated = replace(manifest, engine=record)
+        for name in (PLAN_FILE, BUILD_LOG, WALK_FILE):
+            (tmp / name).unlink(missing_ok=True)
+        report("stage", "[1/2] engine: build, precision walk, validation")
+        outcome = build_in(tmp, found, options, manifest.max_seq_len, cases, bundle.parent / TIMING_CACHE,
+                           say=lambda message: report("info", message))
+        report("stage", "[2/2] write")
+        updated = replace(manifest, engine=outcome.record,
+                          precision=replace(manifest.precision, naive_fp16_tensorrt=outcome.naive))
         old = manifest.triton
-        spec = spec_for(updated, max_batch=old.max_batch if old else max_batch, encoder=old.encoder if old else "python",
-                        length_buckets=old.length_buckets if old else None,
+        spec = spec_for(updated, max_batch=old.max_batch if old else options.max_batch,
+                        encoder=old.encoder if old else "python", length_buckets=old.length_buckets if old else None,
                         ensemble_outputs=old.ensemble_outputs if old else None)
         write_triton_repository(tmp, spec)
         write(tmp, replace(updated, triton=record_of(spec)))
-    return (f"engine written: {bundle / PLAN_FILE} (TensorRT {record.tensorrt_version}, {record.gpu_name})")
+    return f"engine written: {bundle / PLAN_FILE}; {outcome.note}"

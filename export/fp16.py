@@ -70,20 +70,25 @@ def naive_report(fp32_onnx: Path, reference, cases, tolerances) -> tuple[Validat
     """The same validation on a naive all-FP16 conversion of the FP32 graph: onnxruntime's float16
     converter with IO kept FP32, what a user would otherwise run. Shown beside ours, never gating;
     (report, None), or (None, why) when the naive graph does not even run."""
-    import onnx
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "naive.fp16.onnx"
         try:
-            with warnings.catch_warnings():  # it warns about every constant it clamps
-                warnings.simplefilter("ignore")
-                converted = convert_float_to_float16(onnx.load(str(fp32_onnx)), keep_io_types=True)
-            onnx.save(converted, str(path))
+            write_naive_fp16(fp32_onnx, path)
             return compare("naive fp16 (onnxruntime float16 converter)", onnx_runner(path), reference, cases,
                            tolerances), None
         except Exception as exc:  # noqa: BLE001 - the naive path failing is a finding, not an export error
             return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def write_naive_fp16(fp32_onnx: Path, path: Path) -> None:
+    """The naive all-FP16 graph: onnxruntime's float16 converter on ``fp32_onnx``, IO kept FP32."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    with warnings.catch_warnings():  # it warns about every constant it clamps
+        warnings.simplefilter("ignore")
+        converted = convert_float_to_float16(onnx.load(str(fp32_onnx)), keep_io_types=True)
+    onnx.save(converted, str(path))
 
 
 @torch.no_grad()

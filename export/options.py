@@ -32,8 +32,10 @@ class ExportOptions:
     opt_batch: int | None = None
     opt_seq_len: int | None = None
     split_seq: tuple[int, ...] | None = None
-    workspace_gib: float = 4.0
-    engine: bool = True  # try TensorRT when --fp16
+    workspace_gib: float | None = None  # None: TensorRT's own limit (why: mbert.export.trt_build)
+    engine: str = "auto"  # with --fp16: auto | tensorrt | tensorrt-rtx | none
+    compute_capabilities: tuple[str, ...] | None = None  # TensorRT-RTX targets (default: its portable set)
+    hardware_compatible: bool = False  # datacenter TensorRT: a plan for any Ampere or newer GPU
     triton_encoder: str = "python"  # what the Triton ensemble routes to: python, onnx or trt
     int8: bool = False  # also model.int8.onnx for CPU serving (export/int8_stage.py)
 
@@ -58,9 +60,10 @@ class ExportOptions:
             raise OptionError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if not (isinstance(self.margin, (int, float)) and math.isfinite(self.margin) and self.margin >= 1):
             raise OptionError(f"--margin must be a finite number >= 1 (the FP16 headroom factor), got {self.margin!r}")
-        if not (isinstance(self.workspace_gib, (int, float)) and math.isfinite(self.workspace_gib)
-                and self.workspace_gib > 0):
+        if self.workspace_gib is not None and not (isinstance(self.workspace_gib, (int, float))
+                                                   and math.isfinite(self.workspace_gib) and self.workspace_gib > 0):
             raise OptionError(f"--workspace-gib must be a positive number, got {self.workspace_gib!r}")
+        self._check_engine()
         if self.opt_batch is not None and self.opt_batch > self.max_batch:
             raise OptionError(f"--opt-batch {self.opt_batch} exceeds --max-batch {self.max_batch}")
         if self.max_seq_len is not None and self.opt_seq_len is not None and self.opt_seq_len > self.max_seq_len:
@@ -74,11 +77,47 @@ class ExportOptions:
                 raise OptionError(f"--split-seq {self.split_seq[-1]} exceeds --max-seq-len {self.max_seq_len}")
         if self.triton_encoder not in ("python", "onnx", "trt"):
             raise OptionError(f"--triton-encoder must be python, onnx or trt, got {self.triton_encoder!r}")
-        if self.triton_encoder == "trt" and not (self.fp16 and self.engine):
-            raise OptionError("--triton-encoder trt routes Triton to the TensorRT plan: it needs --fp16 and an engine")
+        if self.triton_encoder == "trt" and not (self.fp16 and self.family in ("auto", "tensorrt")):
+            raise OptionError("--triton-encoder trt routes Triton to the TensorRT plan: it needs --fp16 and a datacenter "
+                              "TensorRT engine (Triton cannot load TensorRT-RTX plans)")
         if not self.fp16 and any(v is not None for v in (self.opt_batch, self.opt_seq_len, self.split_seq)):
             raise OptionError("--opt-batch, --opt-seq-len and --split-seq shape the TensorRT engine: they apply "
                               "only with --fp16")
+
+    def _check_engine(self) -> None:
+        from mbert.runtime.trt_family import ENGINE_CHOICES, RTX_TARGETS
+
+        if self.engine not in (*ENGINE_CHOICES, "none"):
+            raise OptionError(f"--engine must be one of {', '.join(ENGINE_CHOICES)} or none, got {self.engine!r}")
+        for cc in self.compute_capabilities or ():
+            if cc not in RTX_TARGETS:
+                raise OptionError(f"--compute-capability {cc}: TensorRT-RTX targets {', '.join(RTX_TARGETS)}; 9.0 and "
+                                  "10.0 GPUs (H100, H200, B200) need datacenter TensorRT (--engine tensorrt, built on "
+                                  "such a GPU)")
+        if self.compute_capabilities is not None and not self.compute_capabilities:
+            raise OptionError("--compute-capability needs at least one capability, e.g. 8.6,8.9,12.0")
+        if self.compute_capabilities and self.engine in ("tensorrt", "none"):
+            raise OptionError(f"--compute-capability targets TensorRT-RTX; it does not apply with --engine {self.engine}")
+        if self.hardware_compatible and self.engine in ("tensorrt-rtx", "none"):
+            raise OptionError(f"--hardware-compatible is a datacenter TensorRT option; it does not apply with "
+                              f"--engine {self.engine}")
+        if self.compute_capabilities and self.hardware_compatible:
+            raise OptionError("--compute-capability (TensorRT-RTX) and --hardware-compatible (datacenter TensorRT) "
+                              "exclude each other")
+        if not self.fp16 and (self.engine in ("tensorrt", "tensorrt-rtx") or self.compute_capabilities
+                              or self.hardware_compatible):
+            raise OptionError("--engine, --compute-capability and --hardware-compatible build the TensorRT engine: "
+                              "they apply only with --fp16")
+
+    @property
+    def family(self) -> str:
+        """The family to build with: ``engine``, where ``auto`` with TensorRT-RTX targets means TensorRT-RTX
+        and ``auto`` with --hardware-compatible means datacenter TensorRT."""
+        if self.engine == "auto" and self.compute_capabilities:
+            return "tensorrt-rtx"
+        if self.engine == "auto" and self.hardware_compatible:
+            return "tensorrt"
+        return self.engine
 
     def max_len_for(self, cfg: ModernBertConfig, pooling_max: int | None) -> int:
         """The bundle's max sequence length for this checkpoint; OptionError when out of its range."""

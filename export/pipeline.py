@@ -19,6 +19,7 @@ from mbert.bundle import GraphRecord, IO, Manifest, Source, model_info, write
 from mbert.bundle.texts import calibration_texts, load_text_file
 from mbert.bundle.validation import Case, ValidationReport, build_cases, compare, default_grid, tolerances_for
 from mbert.modeling import load_model, load_pooling
+from mbert.modeling.errors import OptionError
 from mbert.modeling.graph import GraphModule, Runner, eager_runner
 from mbert.modeling.pooling import PoolingConfig
 from mbert.modeling.random import is_random
@@ -83,6 +84,7 @@ class _Stages:
 def export_bundle(source: str | Path, options: ExportOptions, report: Reporter = lambda e, m: None) -> ExportResult:
     """Export ``source`` (hub id or folder) to a validated bundle at ``options.target(source)``."""
     options.check()
+    _check_builder(options)
     target = options.target(source)
     check_target(target, options.overwrite)
     texts = calibration_texts() + (load_text_file(options.calibration) if options.calibration else [])
@@ -109,6 +111,18 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
             graphs.append(int8.graph)
         manifest = stages.run("write", write_bundle, ctx, io, graphs, fp16, engine, int8)
     return ExportResult(target, manifest, stages.timings, fp16, engine.note if engine else "", int8)
+
+
+def _check_builder(options: ExportOptions) -> None:
+    """An engine family named explicitly must be able to build here: fail before any work, not
+    after the trace and the scan (``auto`` falls back to no engine with a note instead)."""
+    if not options.fp16 or options.family not in ("tensorrt", "tensorrt-rtx"):
+        return
+    from mbert.runtime.trt_family import builder_available
+
+    found = builder_available(options.family)
+    if not found.ok:
+        raise OptionError(f"--engine {options.family}: {found.reason}")
 
 
 def load(source: str, options: ExportOptions, target: Path, staging: Path, texts: list[str]) -> Context:
@@ -167,8 +181,8 @@ def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod
         tool_versions=_tool_versions(), task=cfg.task,
         labels={str(k): v for k, v in cfg.id2label.items()} or None, model=model_info(cfg),
         max_seq_len=ctx.max_len, io=io, pooling=ctx.pooling, graphs=tuple(graphs),
-        precision=fp16.record if fp16 else None, engine=engine.record if engine else None,
-        int8=int8.record if int8 else None)
+        precision=(replace(fp16.record, naive_fp16_tensorrt=engine.naive) if engine else fp16.record) if fp16 else None,
+        engine=engine.record if engine else None, int8=int8.record if int8 else None)
     spec = spec_for(manifest, max_batch=ctx.options.max_batch, encoder=ctx.options.triton_encoder)
     write_triton_repository(ctx.staging, spec)
     return write(ctx.staging, replace(manifest, triton=record_of(spec)))

@@ -46,7 +46,7 @@ def summary(result) -> str:
     if m.precision is not None and m.precision.naive_fp16 is not None:
         rows += validation_rows("naive fp16 (reference only)", m.precision.naive_fp16, verdicts=False)
     if m.engine is not None and m.engine.validation is not None:
-        rows += validation_rows(m.engine.file, m.engine.validation)
+        rows += validation_rows(m.engine.file, m.engine.validation.report)
     if m.int8 is not None:
         rows += [(a, name, err, cos, f"would {verdict}") for b in m.int8.blind if b.validation is not None
                  for a, name, err, cos, verdict in validation_rows(f"blind int8, {b.name} (reference only)",
@@ -60,6 +60,8 @@ def summary(result) -> str:
         decisions = m.precision.decisions
         parts.append("FP32 decisions: " + ("; ".join(decisions) if decisions
                                            else "none (every site fits FP16 with the margin)"))
+        if m.precision.naive_fp16_tensorrt is not None:
+            parts.append("naive fp16 on TensorRT (reference only): " + m.precision.naive_fp16_tensorrt.describe())
     if result.engine_note:
         parts.append("\n" + result.engine_note)
     if m.int8 is not None:

@@ -190,9 +190,25 @@ class Interrupted(KeyboardInterrupt):
     """SIGTERM, delivered as an interrupt so that every cleanup runs as for Ctrl-C."""
 
 
+_signalled: list[int] = []
+
+
 def sigterm_as_interrupt() -> None:
-    """Make SIGTERM raise :class:`Interrupted` in the main thread (call from a command line)."""
+    """Make SIGTERM and Ctrl-C raise :class:`Interrupted` / KeyboardInterrupt in the main thread (call
+    from a command line), and remember that they came (:func:`was_interrupted`)."""
     def handler(signum, frame):
+        _signalled.append(signum)
         raise Interrupted(f"signal {signum}")
 
+    def on_int(signum, frame):
+        _signalled.append(signum)
+        raise KeyboardInterrupt
+
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, on_int)
+
+
+def was_interrupted() -> bool:
+    """True once SIGTERM or Ctrl-C arrived: a library that caught the interrupt and raised its own
+    error instead (exporters wrap what goes wrong while they trace) must still end as an interrupt."""
+    return bool(_signalled)

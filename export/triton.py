@@ -79,6 +79,7 @@ class TritonSpec:
     max_batch: int = 32
     encoder: str = "python"
     has_plan: bool = False
+    no_plan_reason: str = "the bundle has no model.plan yet"  # said in the README when has_plan is False
     profiles: tuple[Profile, ...] = ()
     onnx_file: str = "model.onnx"
     onnx_backend_file: str | None = None
@@ -197,10 +198,15 @@ def spec_for(manifest: Manifest, *, max_batch: int, encoder: str = "python",
     limits = [manifest.max_seq_len] + ([manifest.pooling.max_seq_length]
                                       if manifest.pooling and manifest.pooling.max_seq_length else [])
     fp16 = manifest.graph("fp16")
-    engine = manifest.engine
+    engine, reason = manifest.engine, "the bundle has no model.plan yet"
+    if engine is not None and engine.family != "tensorrt":  # Triton's tensorrt_plan links datacenter TensorRT:
+        engine = None  # it cannot load a TensorRT-RTX plan, so the repository gets no plan model for one
+        reason = ("the bundle's model.plan was built by TensorRT-RTX, which Triton's tensorrt_plan backend "
+                  "(datacenter TensorRT) cannot load")
     return TritonSpec(name=manifest.name, max_length=min(limits), inputs=manifest.io.inputs,
                       outputs=manifest.io.outputs, pad_id=manifest.model.pad_token_id, max_batch=max_batch,
-                      encoder=encoder, has_plan=engine is not None, profiles=engine.profiles if engine else (),
+                      encoder=encoder, has_plan=engine is not None, no_plan_reason=reason,
+                      profiles=engine.profiles if engine else (),
                       onnx_file=manifest.graph("fp32").file, onnx_backend_file=fp16.file if fp16 else None,
                       ensemble_outputs=ensemble_outputs, length_buckets=length_buckets)
 

@@ -238,7 +238,7 @@ def readme(spec: "TritonSpec") -> str:
     name = spec.model_name
     trt = (f"- `{name}_trt/`: TensorRT plan (platform tensorrt_plan, KIND_GPU).\n"
            if spec.has_plan else
-           f"- `{name}_trt` is not here: the bundle has no model.plan yet; see "
+           f"- `{name}_trt` is not here: {spec.no_plan_reason}; see "
            f"`../triton_pending/{name}_trt/1/README`.\n")
     return (f"# Triton model repository for `{name}`\n\n"
             f"Serve on CPU with `mbert-run serve BUNDLE` (starts `tritonserver` on this folder).\n"

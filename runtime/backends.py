@@ -1,8 +1,11 @@
 """The runtime's backends behind one small interface.
 
 * ``tensorrt``: the bundle's ``model.plan`` through :class:`mbert.runtime.tensorrt.TensorRTRunner`
-  (FP16 as the plan was built). A TensorRT execution context is not thread-safe: calls are
-  serialized with a lock (one context, so GPU memory does not grow with the number of threads).
+  (FP16 as the plan was built), with the family that built it (TensorRT or TensorRT-RTX), where
+  :func:`mbert.runtime.checks.can_run` allows it; a plan exported "built, not yet run" runs the
+  parity grid on its first open on a GPU (:mod:`mbert.runtime.verdicts`). A TensorRT execution
+  context is not thread-safe: calls are serialized with a lock (one context, so GPU memory does
+  not grow with the number of threads).
 * ``onnxruntime-cuda`` / ``onnxruntime-cpu``: ONNX Runtime. On CUDA the mixed-precision
   ``model.fp16.onnx`` by default, on CPU the FP32 ``model.onnx`` (``precision`` overrides);
   ``precision="int8"`` runs ``model.int8.onnx`` (dynamic INT8, ``--int8``) and only on the CPU.
@@ -27,6 +30,7 @@ from mbert.bundle import Bundle
 from mbert.modeling.errors import BundleError, EngineError, OptionError
 
 from . import checks
+from .trt_family import current_gpu
 
 log = logging.getLogger("mbert.runtime")
 PAD_MULTIPLE = 8
@@ -111,11 +115,11 @@ class OrtBackend(_Padding):
 
 
 class TensorRTBackend(_Padding):
-    def __init__(self, plan: Path, max_seq: int, device_id: int = 0):
+    def __init__(self, plan: Path, max_seq: int, family: str, device_id: int = 0):
         from .tensorrt import TensorRTRunner, load_engine
 
-        loaded = load_engine(plan)
-        self.runner = TensorRTRunner(loaded, device=device_id)
+        loaded = load_engine(plan, family=family)
+        self.runner = TensorRTRunner(loaded, family=family, device=device_id)
         self.profiles = list(loaded.profiles)
         self.name, self.precision, self.artifact, self.max_seq = "tensorrt", "fp16", plan.name, max_seq
         self.input_names, self.output_names = list(loaded.input_names), list(loaded.output_names)
@@ -123,7 +127,7 @@ class TensorRTBackend(_Padding):
 
     def run(self, input_ids, attention_mask, outputs=None):
         with self._lock:
-            got = self.runner.run(input_ids=input_ids, attention_mask=attention_mask)
+            got = self.runner.run_batch(input_ids, attention_mask)
         return {k: v for k, v in got.items() if not outputs or k in outputs}
 
 
@@ -164,25 +168,22 @@ def _ort_cuda_available() -> tuple[bool, str]:
         return False, "onnxruntime is not installed (pip install 'mbert-export[cpu]' or '[gpu]')"
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return False, f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (install onnxruntime-gpu)"
-    if checks.current_gpu()[1] == "none":
+    if current_gpu() is None:
         return False, "no CUDA GPU visible"
     return True, ""
 
 
 def _trt_status(bundle: Bundle) -> tuple[bool, str]:
-    if bundle.manifest.engine is None:
-        return False, f"the bundle has no model.plan (build one on a GPU machine: mbert-export --engine-only {bundle.path})"
-    from .tensorrt import tensorrt_available
-
-    ok, reason = tensorrt_available()
+    engine = bundle.manifest.engine
+    if engine is None:
+        return False, f"the bundle has no model.plan (build one: mbert-export --engine-only {bundle.path})"
+    gpu = current_gpu()
+    ok, problems = checks.can_run(engine, gpu, bundle.path_of(engine.file, "engine.file"))
     if not ok:
-        return False, reason
-    import tensorrt as trt
-
-    problems = checks.engine_problems(bundle.manifest.engine, trt.__version__, checks.current_gpu()[1])
-    if problems:
-        return False, "; ".join(problems) + f" (rebuild: mbert-export --engine-only {bundle.path})"
-    return True, ""
+        rebuild = f" (rebuild for this GPU: mbert-export --engine-only {bundle.path})" if gpu else ""
+        return False, "; ".join(problems) + rebuild
+    first = " (built, not yet run: the parity grid runs on first open)" if engine.validation is None else ""
+    return True, f"runs {engine.file} with {engine.label}{first}"
 
 
 def backend_statuses(bundle: Bundle, source: str | Path | None = None) -> list[BackendStatus]:
@@ -217,8 +218,10 @@ def _device(device: str | None) -> tuple[str | None, int]:
 
 
 def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = None, precision: str | None = None,
-                 *, threads: int | None = None, source=None) -> Backend:
-    """Load the backend ``backend`` asks for (``auto``: TensorRT, then ONNX Runtime CUDA, then CPU)."""
+                 *, threads: int | None = None, source=None, verdict_cache: Path | None = None) -> Backend:
+    """Load the backend ``backend`` asks for (``auto``: TensorRT where the plan can run here, then ONNX
+    Runtime CUDA, then CPU). ``verdict_cache``: where first-run verdicts of engines are kept
+    (:mod:`mbert.runtime.verdicts`; default the user's cache folder)."""
     name = normalize_name(backend)
     if precision not in (None, "fp32", "fp16", "int8"):
         raise OptionError(f"precision must be 'fp32', 'fp16' or 'int8', got {precision!r}")
@@ -229,10 +232,8 @@ def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = Non
     max_seq = m.max_seq_len
     if name == "auto":
         if kind != "cpu" and precision != "fp32" and m.engine is not None:
-            from .tensorrt import tensorrt_available
-
-            if tensorrt_available()[0]:
-                name = "tensorrt"  # an engine for another GPU or TensorRT is refused below, not skipped
+            if checks.can_run(m.engine, current_gpu(index), bundle.path_of(m.engine.file, "engine.file"))[0]:
+                name = "tensorrt"  # a plan that fails its first parity run is refused below, not skipped
         if name == "auto":
             name = "onnxruntime-cuda" if kind != "cpu" and _ort_cuda_available()[0] else "onnxruntime-cpu"
             if kind == "cuda" and name == "onnxruntime-cpu":
@@ -242,7 +243,7 @@ def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = Non
         name = "onnxruntime-cpu" if kind == "cpu" or not _ort_cuda_available()[0] else "onnxruntime-cuda"
 
     if name == "tensorrt":
-        b: Backend = _open_tensorrt(bundle, precision, kind, index)
+        b: Backend = _open_tensorrt(bundle, precision, kind, index, verdict_cache)
     elif name.startswith("onnxruntime"):
         cuda = name == "onnxruntime-cuda"
         if cuda and not _ort_cuda_available()[0]:
@@ -279,26 +280,22 @@ def _int8_backend(name: str, kind: str | None) -> str:
     return "onnxruntime-cpu"
 
 
-def _open_tensorrt(bundle: Bundle, precision: str | None, kind: str | None, index: int) -> "TensorRTBackend":
+def _open_tensorrt(bundle: Bundle, precision: str | None, kind: str | None, index: int,
+                   verdict_cache: Path | None) -> "TensorRTBackend":
     engine = bundle.manifest.engine
     if precision == "fp32":
         raise OptionError("the TensorRT plan is FP16; use backend='onnxruntime' for precision='fp32'")
     if kind == "cpu":
         raise OptionError("TensorRT runs on a GPU; device='cpu' contradicts backend='tensorrt'")
-    if engine is None:
-        raise BundleError(f"{bundle.path}: has no TensorRT engine; build it with: mbert-export --engine-only "
-                          f"{bundle.path}")
-    from .tensorrt import tensorrt_available
+    from .verdicts import first_open_check
 
-    ok, reason = tensorrt_available()
-    if not ok:
-        raise EngineError(f"TensorRT cannot run here: {reason}")
-    import tensorrt as trt
-
-    checks.check_engine(bundle, trt.__version__, checks.current_gpu(index)[1])
-    b = TensorRTBackend(bundle.path_of(engine.file, "engine.file"), bundle.manifest.max_seq_len, index)
+    gpu = current_gpu(index)
+    checks.check_engine(bundle, gpu)  # no engine, no GPU, or a plan this machine cannot run: refused
+    assert engine is not None and gpu is not None
+    b = TensorRTBackend(bundle.path_of(engine.file, "engine.file"), bundle.manifest.max_seq_len, engine.family, index)
     if tuple(b.profiles) != engine.profiles:
         raise BundleError(f"{bundle.path}: model.plan's optimization profiles {[str(p) for p in b.profiles]} are not "
                           f"the manifest's {[str(p) for p in engine.profiles]}; rebuild with: mbert-export "
                           f"--engine-only {bundle.path}")
+    first_open_check(bundle, lambda ids, mask: b.run(ids, mask), gpu, cache_dir=verdict_cache)
     return b

@@ -1,7 +1,8 @@
 """The runtime's checks beyond the bundle's own verification (``mbert.bundle.open_bundle``).
 
 * A loaded graph or engine must have the inputs and outputs the manifest records (:func:`check_graph_io`).
-* A TensorRT plan must have been built for this machine's TensorRT version and GPU (:func:`engine_problems`).
+* A TensorRT plan must be able to run on this machine by its family's rules (:func:`engine_compatibility`,
+  :func:`can_run`).
 * The eager backend and parity checks load the source checkpoint, which must be the one the bundle
   was exported from (:func:`load_eager_model`).
 """
@@ -11,9 +12,12 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from mbert.bundle import Bundle, EngineRecord
+from mbert.bundle import Bundle
+from mbert.bundle.engine import LABELS, EngineRecord, Gpu, parse_capability
 from mbert.bundle.manifest import REEXPORT
 from mbert.modeling.errors import BundleError, MbertError
+
+from .trt_family import EXTRAS, runtime_version
 
 
 def check_graph_io(bundle: Bundle, artifact: str, inputs: Sequence[str], outputs: Sequence[str]) -> None:
@@ -25,44 +29,75 @@ def check_graph_io(bundle: Bundle, artifact: str, inputs: Sequence[str], outputs
                           f"manifest says {want_in} and {want_out}; {REEXPORT}")
 
 
-def engine_problems(engine: EngineRecord | None, tensorrt_version: str, compute_capability: str) -> list[str]:
-    """What differs between the machine a plan was built on and this one.
+def engine_compatibility(record: EngineRecord, *, family_version: str | None,
+                         compute_capability: str | None) -> list[str]:
+    """Why ``record``'s plan cannot run on a machine with ``family_version`` of the record's family
+    installed (None: not installed) and a GPU of ``compute_capability`` (None: no GPU); empty when the
+    rules allow it. The rules follow the family:
 
-    A plan runs only on the TensorRT version that built it and on GPUs of the same compute
-    capability; the GPU's name may differ (same architecture, other SKU) and is not compared.
+    * datacenter TensorRT: the TensorRT version that built the plan and a GPU of the compute capability
+      it was built on ("Engines are compatible only with the version of TensorRT used to build them";
+      without hardware compatibility "engines are not portable across GPU architectures": TensorRT
+      docs, Engine Compatibility); a plan built hardware-compatible (AMPERE_PLUS) runs on any GPU of
+      compute capability 8.0 or newer. The GPU's name may differ (same architecture, other SKU).
+    * TensorRT-RTX: the release that built it ("engines are not compatible between different releases
+      of TensorRT-RTX") and a GPU whose compute capability is among the plan's targets; on a GPU,
+      TensorRT-RTX's own header check has the last word (:func:`can_run`).
     """
-    if engine is None:
-        return ["the manifest records no engine (export with --fp16 on a GPU machine)"]
+    label = LABELS[record.family]
     problems = []
-    if engine.tensorrt_version != str(tensorrt_version):
-        problems.append(f"TensorRT version: plan built with {engine.tensorrt_version}, this machine has "
-                        f"{tensorrt_version}")
-    if engine.compute_capability != str(compute_capability):
-        problems.append(f"GPU compute capability: plan built for {engine.compute_capability} ({engine.gpu_name}), "
-                        f"this GPU is {compute_capability}")
+    if family_version is None:
+        problems.append(f"{label} is not installed ({EXTRAS[record.family]})")
+    elif family_version != record.version:
+        problems.append(f"{label} version: the plan was built with {record.version}, this machine has "
+                        f"{family_version} (plans run only with the release that built them)")
+    if compute_capability is None:
+        problems.append("no CUDA GPU")
+        return problems
+    if record.family == "tensorrt-rtx":
+        if compute_capability not in record.targets:
+            problems.append(f"GPU compute capability {compute_capability} is not among the plan's targets "
+                            f"({', '.join(record.targets)})")
+    elif record.options.hardware_compatible:
+        if parse_capability(compute_capability) < (8, 0):
+            problems.append(f"GPU compute capability {compute_capability}: the hardware-compatible plan needs "
+                            "Ampere or newer (8.0+)")
+    else:
+        assert record.built_on is not None  # EngineRecord requires it for datacenter plans
+        if compute_capability != record.built_on.compute_capability:
+            problems.append(f"GPU compute capability: the plan was built for {record.built_on.compute_capability} "
+                            f"({record.built_on.name}), this GPU is {compute_capability}")
     return problems
 
 
-def check_engine(bundle: Bundle, tensorrt_version: str, compute_capability: str) -> None:
-    """BundleError saying what differs and how to rebuild when the plan was built elsewhere."""
-    problems = engine_problems(bundle.manifest.engine, tensorrt_version, compute_capability)
-    if problems:
+def can_run(record: EngineRecord, gpu: Gpu | None, plan: Path | None = None) -> tuple[bool, list[str]]:
+    """Whether the plan can run on ``gpu`` with what is installed here (the family's version is read
+    from its module, without a GPU probe); with ``plan`` and a GPU, a TensorRT-RTX plan must also pass
+    TensorRT-RTX's own validity check (driver, CUDA runtime, corruption)."""
+    found = runtime_version(record.family)
+    problems = engine_compatibility(record, family_version=found.version if found.ok else None,
+                                    compute_capability=gpu.compute_capability if gpu else None)
+    if not found.ok:
+        problems[0] = f"{LABELS[record.family]} unavailable: {found.reason}"
+    if not problems and plan is not None and record.family == "tensorrt-rtx":
+        from .tensorrt import rtx_plan_validity
+
+        problems = rtx_plan_validity(plan)
+    return not problems, problems
+
+
+def check_engine(bundle: Bundle, gpu: Gpu | None) -> None:
+    """BundleError saying why the bundle's plan cannot run here and how to rebuild it."""
+    engine = bundle.manifest.engine
+    if engine is None:
+        raise BundleError(f"{bundle.path}: has no TensorRT engine; build it with: mbert-export --engine-only "
+                          f"{bundle.path}")
+    ok, problems = can_run(engine, gpu, bundle.path_of(engine.file, "engine.file"))
+    if not ok:
         raise BundleError(
-            f"{bundle.path}: model.plan cannot run here: {'; '.join(problems)}. Rebuild the engine on this machine "
-            f"with: mbert-export --engine-only {bundle.path} (or run the ONNX graph with backend='onnxruntime')")
-
-
-def current_gpu(device: int = 0) -> tuple[str, str]:
-    """(GPU name, "9.0"-style compute capability) through torch; ("none", "none") without a GPU."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(device)
-            return torch.cuda.get_device_name(device), f"{major}.{minor}"
-    except Exception:  # noqa: BLE001 - a broken CUDA install reads as no GPU
-        pass
-    return "none", "none"
+            f"{bundle.path}: {engine.file} ({engine.label}, runs on {engine.runs_on()}) cannot run here: "
+            f"{'; '.join(problems)}. Rebuild the engine for this machine with: mbert-export --engine-only "
+            f"{bundle.path} (or run the ONNX graph with backend='onnxruntime')")
 
 
 def eager_source(bundle: Bundle, source: str | Path | None = None) -> str | Path:

@@ -73,8 +73,10 @@ class Encoder:
         ``source`` may point to). ``device``: ``cpu``, ``cuda`` or ``cuda:N``. ``precision``: ``fp32``,
         ``fp16`` (ONNX Runtime's default is FP16 on CUDA when the bundle has it, FP32 on CPU) or ``int8``
         (``model.int8.onnx`` of an ``--int8`` export, on ONNX Runtime CPU only).
-        A plan built for another GPU architecture or TensorRT version is refused, not skipped
-        (BundleError saying what differs): rebuild it, or pass ``backend="onnxruntime"``.
+        ``auto`` uses the TensorRT plan only where its family's rules let it run here; asked for by
+        name, a plan that cannot run here is refused (BundleError saying why): rebuild it, or pass
+        ``backend="onnxruntime"``. A plan exported "built, not yet run" runs the parity grid on its
+        first open on a GPU and is refused if it fails (:mod:`mbert.runtime.verdicts`).
         ``verify=False`` skips hashing the files (the manifest is still cross-checked).
         """
         bundle = open_bundle(path, verify=verify)

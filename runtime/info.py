@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from mbert.bundle import Bundle
+from mbert.bundle.engine import LABELS
 from mbert.bundle.int8 import plan_table, summary_lines
 
 
@@ -12,6 +13,39 @@ def table(rows, headers) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+# Lines of the builder log shown by ``info``: attention fusion and what the engine became.
+BUILD_LOG_SHOWN = ("Self-Attention", "After Myelin optimization", "Total Activation Memory", "Engine Layer Information",
+                   "Layer(")
+
+
+def engine_lines(bundle: Bundle, max_log_lines: int = 12) -> list[str]:
+    """The engine record, the precision walk per layer, and the build log's engine lines."""
+    e = bundle.manifest.engine
+    w = e.precision_walk
+    opts = e.options
+    built = f"on {e.built_on}" if e.built_on else "on a machine without a GPU"
+    out = [f"\nTensorRT engine {e.file}: {e.label}, from {e.onnx}, built {built} in {e.build_seconds:.1f}s",
+           f"  runs on   {e.runs_on()}",
+           f"  status    {e.status}" + (f" on {e.validation.gpu}" if e.validation else f": {e.not_run_reason}"),
+           "  profiles  " + "; ".join(str(p) for p in e.profiles),
+           f"  builder   workspace limit {opts.workspace_gib:g} GiB, optimization level {opts.optimization_level}, "
+           f"{'strongly typed' if opts.strongly_typed else 'weakly typed'}, TF32 {'on' if opts.tf32 else 'off'}"
+           + (", hardware compatible (Ampere+)" if opts.hardware_compatible else "")
+           + (", timing cache" if opts.timing_cache else ""),
+           f"\nPrecision in TensorRT's network ({LABELS[w.family]} {w.version}, {w.onnx}): "
+           f"{'passed' if w.passed else 'FAILED'}; compute layers fp16 {w.network.fp16_layers}, "
+           f"FP32 {w.network.fp32_layers}; "
+           f"kept FP32: {', '.join(w.fp32_sites) or 'none'} (details: {w.file})"]
+    out.append(table(w.per_layer(), ("layer", "runs in (TensorRT)", "fp16 layers", "fp32 layers", "verdict")))
+    log = bundle.path_of(e.build_log, "engine.build_log").read_text(encoding="utf-8").splitlines()
+    shown = [line for line in log if not line.startswith("#") and any(topic in line for topic in BUILD_LOG_SHOWN)]
+    out.append(f"\nBuild log ({e.build_log}), attention fusion and engine layers:")
+    out += [f"  {line}" for line in shown[:max_log_lines]]
+    if len(shown) > max_log_lines:
+        out.append(f"  ... {len(shown) - max_log_lines} more in {e.build_log}")
+    return out
 
 
 def describe(bundle: Bundle, *, verified: bool, source=None) -> str:
@@ -58,13 +92,13 @@ def describe(bundle: Bundle, *, verified: bool, source=None) -> str:
         rows += [(f"blind int8, {b.name} (reference)", *r) for b in m.int8.blind if b.validation is not None
                  for r in b.validation.table()]
     if m.engine is not None and m.engine.validation is not None:
-        rows += [(m.engine.file, *r) for r in m.engine.validation.table()]
+        rows += [(m.engine.file, *r) for r in m.engine.validation.report.table()]
     out.append("\nValidation at export (against the eager FP32 model):")
     out.append(table(rows, ("artifact", "output", "max abs err", "worst cosine", "verdict", "worst case")))
+    if m.precision is not None and m.precision.naive_fp16_tensorrt is not None:
+        out.append("naive fp16 on TensorRT (reference): " + m.precision.naive_fp16_tensorrt.describe())
     if m.engine is not None:
-        e = m.engine
-        out.append(f"\nTensorRT engine {e.file}: TensorRT {e.tensorrt_version}, {e.gpu_name} (compute capability "
-                   f"{e.compute_capability}), profiles " + "; ".join(str(p) for p in e.profiles))
+        out += engine_lines(bundle)
     out.append("\nBackends on this machine:")
     statuses = backends.backend_statuses(bundle, source)
     out.append(table([(s.name, "yes" if s.usable else "no", s.reason) for s in statuses],

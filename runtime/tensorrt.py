@@ -1,28 +1,26 @@
-"""Run TensorRT plans (TensorRT 10.x and 11.x): deserialize, pick the optimization profile per
-shape, execute on a CUDA stream. Needs a GPU; ``tensorrt`` and ``torch`` CUDA are imported only
-when a function needs them, so this module imports anywhere.
+"""Run a TensorRT or TensorRT-RTX plan on a CUDA GPU: deserialize, pick the optimization profile per
+shape, execute on a CUDA stream; and TensorRT-RTX's own check of whether a plan can run here.
 
-Running uses the name-based (enqueueV3) API of 10.x, unchanged in 11.x; nothing removed in 11.x
-(``device_memory_size``, weak-typing flags, calibrators) is used. The exporter's builder
-(``mbert.export.tensorrt``) shares the logger and the availability check defined here.
+Needs the family's module and a CUDA GPU (buffers are torch CUDA tensors); nothing here runs on a
+machine without one, and nothing imports TensorRT until a function needs it. The calls are the
+name-based (enqueueV3) API, identical in TensorRT 10.x, 11.x and TensorRT-RTX 1.x:
+``Runtime.deserialize_cuda_engine``, ``create_execution_context``, ``set_optimization_profile_async``,
+``set_input_shape``, ``set_tensor_address``, ``execute_async_v3``; nothing removed in 11.x
+(``device_memory_size``, weak-typing flags, calibrators) is used. Families, versions and the shared
+logger: :mod:`mbert.runtime.trt_family`.
 """
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from mbert.bundle.manifest import Profile
+from mbert.bundle.engine import LABELS, Profile
 from mbert.modeling.errors import EngineError
 
-_log = logging.getLogger("mbert.tensorrt")
-NOT_INSTALLED = ("tensorrt is not installed (pip install 'mbert-export[tensorrt]' on a machine "
-                 "with NVIDIA's index reachable)")
-# ILogger.Severity values (identical in 10.x and 11.x): INTERNAL_ERROR=0 ... VERBOSE=4.
-_LEVELS = {"internal_error": 0, "error": 1, "warning": 2, "info": 3, "verbose": 4}
-_PY_LEVELS = {0: logging.CRITICAL, 1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO,
-              4: logging.DEBUG}
+from .trt_family import family_logger, import_family
+
+__all__ = ["LoadedEngine", "load_engine", "TensorRTRunner", "select_profile", "rtx_plan_validity"]
 
 
 def select_profile(profiles: Sequence[Profile], batch: int, seq: int) -> int:
@@ -35,24 +33,6 @@ def select_profile(profiles: Sequence[Profile], batch: int, seq: int) -> int:
                       f"the engine's profiles are {listed}")
 
 
-def tensorrt_available() -> tuple[bool, str]:
-    """``(True, "")`` when TensorRT imports and a builder can start on a CUDA GPU, else
-    ``(False, one-line reason)``. Valid for 10.x and 11.x."""
-    try:
-        import tensorrt as trt  # noqa: PLC0415 - deliberately lazy
-    except ModuleNotFoundError:
-        return False, NOT_INSTALLED
-    except (ImportError, OSError) as exc:  # wheel present, libnvinfer*.so missing or broken
-        return False, f"{NOT_INSTALLED}: {one_line(exc)}"
-    try:
-        builder = trt.Builder(trt.Logger(trt.Logger.ERROR))
-    except Exception as exc:  # noqa: BLE001 - "CUDA initialization failure" surfaces as various
-        return False, f"no CUDA GPU: {one_line(exc)}"
-    if builder is None:
-        return False, "no CUDA GPU: tensorrt.Builder could not be created"
-    return True, ""
-
-
 @dataclass
 class LoadedEngine:
     """A deserialized engine with the runtime and logger that must outlive it."""
@@ -62,23 +42,25 @@ class LoadedEngine:
     logger: Any
     input_names: list[str]
     output_names: list[str]
-    profiles: list[Profile] = field(default_factory=list)
+    profiles: list[Profile]
+    family: str
 
 
-def load_engine(plan_path: str | Path, *, log_level: str = "warning") -> LoadedEngine:
-    """Deserialize a plan (TensorRT 10.x/11.x ``Runtime.deserialize_cuda_engine``) and read its
-    I/O tensor names and optimization profiles back from the engine."""
-    trt = import_tensorrt()
+def load_engine(plan_path: str | Path, *, family: str) -> LoadedEngine:
+    """Deserialize a plan with ``family``'s runtime and read its I/O tensor names and optimization
+    profiles back from the engine."""
+    trt = import_family(family)
     plan_path = Path(plan_path)
     if not plan_path.is_file():
         raise EngineError(f"engine plan not found: {plan_path}")
-    logger = make_logger(trt, log_level)
+    logger = family_logger(trt)
     runtime = trt.Runtime(logger)
-    engine = runtime.deserialize_cuda_engine(plan_path.read_bytes())
+    with logger.capture(1) as errors:
+        engine = runtime.deserialize_cuda_engine(plan_path.read_bytes())
     if engine is None:
-        raise EngineError(f"TensorRT {trt.__version__} cannot load {plan_path} (plans run only on "
-                          "the TensorRT version and GPU architecture that built them): "
-                          + "; ".join(logger.errors or ["no error was logged"]))
+        raise EngineError(f"{LABELS[family]} {trt.__version__} cannot load {plan_path} (plans run only with the "
+                          "release and on the GPUs they were built for): "
+                          + ("; ".join(m for _, m in errors[-3:]) or "no error was logged"))
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
     outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
@@ -90,7 +72,7 @@ def load_engine(plan_path: str | Path, *, log_level: str = "warning") -> LoadedE
         hi = tuple(min(int(s[2][d]) for s in shapes) for d in range(2))
         opt = tuple(min(max(int(shapes[0][1][d]), lo[d]), hi[d]) for d in range(2))
         profiles.append(Profile(lo, opt, hi))
-    return LoadedEngine(engine, runtime, logger, inputs, outputs, profiles)
+    return LoadedEngine(engine, runtime, logger, inputs, outputs, profiles, family)
 
 
 class TensorRTRunner:
@@ -101,14 +83,14 @@ class TensorRTRunner:
     outputs as float32). Not thread-safe: use one runner per thread.
     """
 
-    def __init__(self, plan: str | Path | LoadedEngine, *, device: int = 0) -> None:
+    def __init__(self, plan: str | Path | LoadedEngine, *, family: str, device: int = 0) -> None:
         import torch  # noqa: PLC0415
 
         if not torch.cuda.is_available():
             raise EngineError("TensorRTRunner needs a CUDA build of torch and a visible GPU")
         self._torch = torch
         self.device = torch.device("cuda", device)
-        self.loaded = plan if isinstance(plan, LoadedEngine) else load_engine(plan)
+        self.loaded = plan if isinstance(plan, LoadedEngine) else load_engine(plan, family=family)
         self.engine = self.loaded.engine
         self.context = self.engine.create_execution_context()
         if self.context is None:
@@ -119,6 +101,17 @@ class TensorRTRunner:
     @property
     def profiles(self) -> list[Profile]:
         return self.loaded.profiles
+
+    def run_batch(self, input_ids: Any, attention_mask: Any) -> dict[str, Any]:
+        """:meth:`run` on a batch of any size: rows in chunks of the largest batch a profile covering
+        the sequence length accepts (the validation grid has batches larger than small profiles)."""
+        import numpy as np  # noqa: PLC0415
+
+        batch, seq = np.shape(input_ids)
+        limit = max((p.max[0] for p in self.profiles if p.min[1] <= seq <= p.max[1]), default=batch)
+        parts = [self.run(input_ids=input_ids[i:i + limit], attention_mask=attention_mask[i:i + limit])
+                 for i in range(0, batch, limit)]
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
     def run(self, **inputs: Any) -> dict[str, Any]:
         import numpy as np  # noqa: PLC0415
@@ -168,39 +161,19 @@ class TensorRTRunner:
         return result
 
 
-# --- helpers -------------------------------------------------------------------------------------
-
-def import_tensorrt() -> Any:
-    ok, reason = tensorrt_available()
-    if not ok:
-        raise EngineError(reason)
-    import tensorrt as trt  # noqa: PLC0415
-
-    return trt
-
-
-def make_logger(trt: Any, log_level: str) -> Any:
-    """A ``trt.ILogger`` subclass (10.x/11.x) that forwards to ``logging`` at ``log_level`` and
-    keeps every ERROR / INTERNAL_ERROR message for error reports."""
-    try:
-        threshold = _LEVELS[log_level.lower()]
-    except (KeyError, AttributeError):
-        raise EngineError(f"log_level must be one of {', '.join(_LEVELS)}, got {log_level!r}") \
-            from None
-
-    class _CapturingLogger(trt.ILogger):  # type: ignore[misc, name-defined]
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-            self.errors: list[str] = []
-
-        def log(self, severity: Any, msg: str) -> None:
-            level = int(severity)
-            if level <= 1:
-                self.errors.append(one_line(msg))
-            if level <= threshold:
-                _log.log(_PY_LEVELS.get(level, logging.DEBUG), "TensorRT: %s", msg)
-
-    return _CapturingLogger()
+def rtx_plan_validity(plan: bytes | Path) -> list[str]:
+    """TensorRT-RTX's header check of a plan on this machine (``Runtime.get_engine_validity``):
+    empty when VALID or SUBOPTIMAL, else the reasons it reports. Without a GPU it always answers
+    INVALID (measured with 1.7.1), so call it only where a GPU is present."""
+    trt = import_family("tensorrt-rtx")
+    blob = Path(plan).read_bytes() if isinstance(plan, (str, Path)) else plan
+    runtime = trt.Runtime(family_logger(trt))
+    validity, diagnostics = runtime.get_engine_validity(blob)
+    if validity != trt.EngineValidity.INVALID:
+        return []
+    flags = [name for name, member in trt.EngineInvalidityDiagnostics.__members__.items()
+             if int(diagnostics) & int(member)]
+    return [f"TensorRT-RTX's validity check says INVALID ({', '.join(flags) or 'no diagnostics given'})"]
 
 
 def _torch_dtype(torch: Any, trt_dtype: Any) -> Any:
@@ -211,8 +184,3 @@ def _torch_dtype(torch: Any, trt_dtype: Any) -> Any:
     if name not in table:
         raise EngineError(f"engine tensor type {name} is not supported by TensorRTRunner")
     return table[name]
-
-
-def one_line(value: Any) -> str:
-    return " ".join(str(value).split())
-

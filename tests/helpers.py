@@ -181,7 +181,7 @@ class Bundles:
             fp16 = kind.endswith("-fp16")
             out = self.root / f"bundle-{kind}"
             export_bundle(self.checkpoint(kind.removesuffix("-fp16")),
-                          ExportOptions(out=out, max_seq_len=MAX_LEN, fp16=fp16, engine=False))
+                          ExportOptions(out=out, max_seq_len=MAX_LEN, fp16=fp16, engine="none"))
             self._made[kind] = out
         return self._made[kind]
 

@@ -128,10 +128,11 @@ def _start(ck: Path, out: Path) -> subprocess.Popen:
                              "--max-seq-len", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for_partial(proc: subprocess.Popen, parent: Path) -> Path:
+def _wait_for_partial(proc: subprocess.Popen, parent: Path, holding: str | None = None) -> Path:
+    """The staging folder of the running export, once it exists (and holds ``holding``, if given)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        found = [p for p in parent.glob(".*.partial-*") if (p / "model.onnx").exists()]
+        found = [p for p in parent.glob(".*.partial-*") if holding is None or (p / holding).exists()]
         if found:
             return found[0]
         assert proc.poll() is None, proc.communicate()
@@ -141,7 +142,7 @@ def _wait_for_partial(proc: subprocess.Popen, parent: Path) -> Path:
 
 def test_sigterm_is_an_interrupt_and_leaves_nothing(ck, tmp_path):
     proc = _start(ck, tmp_path / "b")
-    _wait_for_partial(proc, tmp_path)
+    _wait_for_partial(proc, tmp_path)  # the export has started (the trace alone takes seconds)
     proc.send_signal(signal.SIGTERM)
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted: no bundle was written" in err
@@ -150,7 +151,7 @@ def test_sigterm_is_an_interrupt_and_leaves_nothing(ck, tmp_path):
 
 def test_the_next_export_removes_what_a_killed_one_left(ck, tmp_path):
     proc = _start(ck, tmp_path / "b")
-    partial = _wait_for_partial(proc, tmp_path)
+    partial = _wait_for_partial(proc, tmp_path, holding="model.onnx")
     proc.kill()  # kill -9: no handler runs
     proc.communicate(timeout=60)
     assert partial.exists()
@@ -205,6 +206,8 @@ def test_tokenizer_ids_beyond_the_embedding_table_name_the_tokenizer(tmp_path):
     (["--workspace-gib", "-1"], 2, "--workspace-gib must be a positive number"),
     (["--calibration", "/no/such/texts.txt"], 1, "/no/such/texts.txt: text file not found"),
     (["--split-seq", "512,64"], 2, "--split-seq must be strictly increasing"),
+    # datacenter TensorRT cannot be installed on this machine: named explicitly, it fails before the trace
+    (["--engine", "tensorrt"], 2, "--engine tensorrt: tensorrt is not installed"),
 ])
 def test_options_are_checked_before_any_work(ck, tmp_path, args, code, message):
     started = time.monotonic()
@@ -269,15 +272,43 @@ def test_engine_later_line_names_the_bundle_not_the_staging_folder(ck, fp16_expo
 # 4. a failed --engine-only deleted the plan and the bundle no longer opened -------------------------
 
 def test_a_failed_engine_only_leaves_the_bundle_byte_identical(fp16_exported, tmp_path):
+    """A real TensorRT-RTX build succeeds, then the precision walk fails: the bundle's precision.json
+    (edited and resealed, as a careful hand-edit would be) keeps layer 0's MLP FP32 while the graph
+    computes it in FP16."""
     import shutil
 
+    from mbert.bundle.manifest import read, write
     from mbert.runtime import Encoder
 
     b = tmp_path / "b"
     shutil.copytree(fp16_exported[1], b)
+    precision = json.loads((b / "precision.json").read_text())
+    assert precision["plan"]["layers"][0]["mlp"] == "float16"
+    precision["plan"]["layers"][0]["mlp"] = "float32"
+    (b / "precision.json").write_text(json.dumps(precision))
+    write(b, read(b, verify=False))  # resealed: the bundle opens, its plan now disagrees with its graph
     before = snapshot(b)
-    proc = cli("--engine-only", b)
-    assert proc.returncode == 1 and error_line(proc)
+    proc = cli("--engine-only", b, "--engine", "tensorrt-rtx")
+    assert proc.returncode == 1
+    assert "built model.plan with TensorRT-RTX" in proc.stderr  # the walk runs on the network just built
+    assert error_line(proc).startswith("error: TensorRT's network disagrees with the FP16 plan (model.fp16.onnx): "
+                                       "layers.0.mlp: the plan keeps it FP32 but")
     assert snapshot(b) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
     assert Encoder.from_bundle(b, precision="fp16").encode("still opens").shape == (128,)
+
+
+def test_engine_only_adds_an_engine_to_a_bundle_without_one(fp16_exported, tmp_path):
+    import shutil
+
+    from mbert.bundle import open_bundle
+
+    b = tmp_path / "b"
+    shutil.copytree(fp16_exported[1], b)
+    proc = cli("--engine-only", b)  # --engine auto: the builder installed here (TensorRT-RTX in the test extra)
+    assert proc.returncode == 0, proc.stderr
+    assert "engine: TensorRT-RTX" in proc.stderr and "(chosen by --engine auto" in proc.stderr
+    m = open_bundle(b).manifest
+    assert m.engine.family == "tensorrt-rtx" and m.engine.targets == ("8.0", "8.6", "8.9", "12.0")
+    assert m.engine.precision_walk.passed and m.precision.naive_fp16_tensorrt is not None
+    assert {"model.plan", "tensorrt_build.log", "tensorrt_precision.json"} <= set(m.files)

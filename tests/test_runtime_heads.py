@@ -1,6 +1,6 @@
 """mbert.runtime on head bundles (sequence / token classification, masked LM) against transformers,
 plus the backend plumbing that needs no bundle: padding rules, TensorRT compatibility checks
-(fake manifest entries; real engines only where TensorRT and a GPU exist)."""
+(engine records made in the test; real engines only where a GPU a TensorRT family can use exists)."""
 from __future__ import annotations
 
 import warnings
@@ -11,15 +11,20 @@ import torch
 
 from dataclasses import replace
 
-from mbert.bundle import EngineRecord, Profile, open_bundle
+from mbert.bundle import Gpu, Profile, open_bundle
 from mbert.modeling.errors import BundleError, EngineError
-from mbert.runtime import Encoder, check_engine, engine_problems, padded_length
+from mbert.runtime import Encoder, check_engine, engine_compatibility, padded_length  # rules: test_tensorrt.py
 from mbert.runtime.backends import open_backend
 from mbert.runtime.checks import check_graph_io
-from mbert.runtime.tensorrt import tensorrt_available
+from mbert.runtime.trt_family import RTX_TARGETS, builder_available, current_gpu
 from helpers import LABELS, MAX_LEN, RUNTIME_TEXTS as TEXTS
+from trt_helpers import datacenter_record
 
-TRT_OK, TRT_REASON = tensorrt_available()
+GPU = current_gpu()
+# A plan can be built and run here: a GPU, and datacenter TensorRT or TensorRT-RTX targeting it.
+TRT_OK = GPU is not None and (builder_available("tensorrt").ok or (
+    GPU.compute_capability in RTX_TARGETS and builder_available("tensorrt-rtx").ok))
+TRT_REASON = f"no GPU a TensorRT family here can build for and run on (GPU: {GPU})"
 
 
 def _hf(bundles, kind: str, cls_name: str):
@@ -126,36 +131,27 @@ def test_padded_length_rounds_to_8_and_respects_profiles():
         padded_length(10, 32, 256, long_only)
 
 
-# --- TensorRT: compatibility checks with fake manifest entries --------------------------------------
+# --- TensorRT: compatibility checks with an engine record made here --------------------------------
 
-ENGINE = EngineRecord(file="model.onnx", onnx="model.onnx", tensorrt_version="10.12.0.36",
-                      gpu_name="NVIDIA H100 80GB HBM3", compute_capability="9.0",
-                      profiles=(Profile((1, 1), (16, 128), (32, 128)),), workspace_gib=4.0,
-                      builder_optimization_level=3, build_seconds=1.0, validation=None)
+# A datacenter plan built on an H100 with TensorRT 10.12 ("model.onnx" stands in for the plan file: no
+# plan exists, only the checks run).
+ENGINE = datacenter_record(file="model.onnx", version="10.12.0.36", profiles=(Profile((1, 1), (16, 128), (32, 128)),))
 
 
 def _with_engine(bundle):
-    """The bundle as opened, with ENGINE in its manifest (no plan exists: only the checks run)."""
+    """The bundle as opened, with ENGINE in its manifest."""
     return replace(bundle, manifest=replace(bundle.manifest, engine=ENGINE))
 
-
-def test_engine_problems_compares_version_and_compute_capability():
-    assert engine_problems(ENGINE, "10.12.0.36", "9.0") == []
-    (cc,) = engine_problems(ENGINE, "10.12.0.36", "8.9")
-    assert "compute capability: plan built for 9.0 (NVIDIA H100 80GB HBM3), this GPU is 8.9" in cc
-    (ver,) = engine_problems(ENGINE, "10.13.1", "9.0")
-    assert "TensorRT version: plan built with 10.12.0.36, this machine has 10.13.1" in ver
-    assert len(engine_problems(ENGINE, "11.0", "12.0")) == 2
-    assert "records no engine" in engine_problems(None, "10.12", "9.0")[0]
 
 def test_plan_without_tensorrt_falls_back_or_explains(bundles):
     opened = open_bundle(bundles.bundle("cls"))
     faked = _with_engine(opened)
-    with pytest.raises(BundleError, match=r"cannot run here: GPU compute capability.*mbert-export --engine-only "):
-        check_engine(faked, "10.12.0.36", "8.0")
-    if not TRT_OK:
+    with pytest.raises(BundleError, match=r"cannot run here: .*GPU compute capability: the plan was built for 9.0.*"
+                                          r"mbert-export --engine-only "):
+        check_engine(faked, Gpu("NVIDIA A100-SXM4-80GB", "8.0"))
+    if GPU is None:
         assert open_backend(faked, "auto").name == "onnxruntime-cpu"
-        with pytest.raises(EngineError, match="TensorRT cannot run here"):
+        with pytest.raises(BundleError, match="cannot run here: .*no CUDA GPU"):
             open_backend(faked, "tensorrt")
     with pytest.raises(ValueError, match="plan is FP16"):
         open_backend(faked, "tensorrt", precision="fp32")
@@ -168,9 +164,10 @@ def test_tensorrt_backend_matches_onnx_runtime(bundles, tmp_path):  # pragma: no
     import threading
 
     from mbert.export.engine_only import build_for_bundle
+    from mbert.export.options import ExportOptions
 
-    copy = bundles.copy("mean", tmp_path / "b")
-    build_for_bundle(copy, max_batch=8)
+    copy = bundles.copy("mean-fp16", tmp_path / "b")
+    build_for_bundle(copy, ExportOptions(fp16=True, max_batch=8))
     trt_enc = Encoder.from_bundle(copy)
     assert trt_enc.backend_name == "tensorrt" and trt_enc.precision == "fp16"
     ort = Encoder.from_bundle(copy, backend="onnxruntime", device="cpu", precision="fp32")
@@ -193,13 +190,11 @@ def test_tensorrt_backend_matches_onnx_runtime(bundles, tmp_path):  # pragma: no
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to torch")
 def test_gpu_machine_without_tensorrt_or_ort_cuda(bundles):  # pragma: no cover - needs a GPU
     from mbert.runtime.backends import _ort_cuda_available
-    from mbert.runtime.checks import current_gpu
 
-    name, capability = current_gpu()
-    major, minor = capability.split(".")
-    assert name != "none" and major.isdigit() and minor.isdigit()
+    assert GPU is not None and GPU.name
     opened = open_bundle(bundles.bundle("cls"))
-    assert engine_problems(replace(ENGINE, compute_capability=capability, tensorrt_version="x"), "x", capability) == []
+    here = replace(ENGINE, built_on=GPU, version="10.99.0")
+    assert engine_compatibility(here, family_version="10.99.0", compute_capability=GPU.compute_capability) == []
     eager = Encoder.from_bundle(bundles.bundle("cls"), backend="eager", device="cuda")
     ort = Encoder.from_bundle(bundles.bundle("cls"), backend="onnxruntime", device="cpu")
     np.testing.assert_allclose(eager.encode(TEXTS), ort.encode(TEXTS), atol=2e-3)

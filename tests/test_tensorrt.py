@@ -1,29 +1,34 @@
-"""mbert.export.tensorrt: profile logic (pure Python), build_engine's use of the TensorRT API
-(against a stand-in module that follows the documented 10.x / 11.x Python API), and real engine
-builds compared with ONNX Runtime where TensorRT and a GPU are present."""
+"""TensorRT, the parts that need no builder: optimization profiles, family detection and version
+gates, the engine record (typed: its JSON round trip through the manifest schema and its checks),
+the compatibility rules of both families as functions of the record and the machine, and the
+engine options of the export. Real builds: ``test_tensorrt_build.py``; the precision walk:
+``test_tensorrt_precision.py``; a real bundle with an engine: ``test_tensorrt_bundle.py``."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
-import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mbert.bundle import Profile
-from mbert.export import tensorrt as mtrt
-from mbert.runtime.tensorrt import TensorRTRunner, select_profile
-from mbert.export.tensorrt import (
-    build_engine,
-    profiles_from,
-    tensorrt_available,
+from mbert.bundle.engine import STATUS_NOT_RUN, STATUS_VALIDATED, BuilderOptions, EngineRecord, EngineValidation, Gpu, \
+    Profile, parse_capability
+from mbert.bundle.schema import from_json, to_json
+from mbert.bundle.validation import ValidationReport
+from mbert.export.options import ExportOptions
+from mbert.export.trt_build import profiles_from
+from mbert.modeling.errors import BundleError, EngineError, OptionError
+from mbert.runtime.checks import can_run, engine_compatibility
+from mbert.runtime.tensorrt import select_profile
+from mbert.runtime.trt_family import (
+    PORTABLE_CAPABILITIES, builder_available, resolve_family, runtime_version, version_problem,
 )
-from mbert.modeling.errors import EngineError
+from trt_helpers import datacenter_record, rtx_record
 
-TRT_OK, TRT_REASON = tensorrt_available()
-HIDDEN = 8
+DATACENTER_INSTALLED = importlib.util.find_spec("tensorrt") is not None
+RTX_3090 = Gpu("NVIDIA GeForce RTX 3090", "8.6")
 
 
 # --- Profile / profiles_from / select_profile ------------------------------------------------
@@ -95,296 +100,200 @@ def test_select_profile_names_shape_and_profiles():
         select_profile(profiles, 5, 10)
 
 
-# --- availability and lazy import -----------------------------------------------------------
+# --- families, version gates, availability -------------------------------------------------------
 
-def test_tensorrt_available_gives_a_one_line_reason():
-    assert isinstance(TRT_OK, bool)
-    if TRT_OK:
-        assert TRT_REASON == ""
-        return
-    assert TRT_REASON and "\n" not in TRT_REASON
-    if importlib.util.find_spec("tensorrt") is None:
-        assert TRT_REASON.startswith(
-            "tensorrt is not installed (pip install 'mbert-export[tensorrt]'")
-        with pytest.raises(EngineError, match="tensorrt is not installed"):
-            build_engine("model.onnx", "model.plan", profiles_from(1, 8))
+@pytest.mark.parametrize("family, version, problem", [
+    ("tensorrt", "10.12.0.36", None), ("tensorrt", "10.16.1", None), ("tensorrt", "11.1.0.7", None),
+    ("tensorrt", "10.11.0", "too old: 10.12"), ("tensorrt", "8.6.1", "too old"),
+    ("tensorrt", "12.0.0", "newer than this project supports"), ("tensorrt-rtx", "1.7.1.116", None),
+    ("tensorrt-rtx", "1.9.0", None), ("tensorrt-rtx", "1.6.0", "too old: 1.7"),
+    ("tensorrt-rtx", "2.0.0", "newer than"), ("tensorrt-rtx", "dev", "unrecognised"),
+])
+def test_version_gates(family, version, problem):
+    got = version_problem(family, version)
+    assert got is None if problem is None else problem in got
+    with pytest.raises(EngineError, match="unknown TensorRT family 'trt'"):
+        version_problem("trt", "10.12")
 
 
-def test_module_import_does_not_import_tensorrt():
-    code = "import sys, mbert.export.tensorrt; print('tensorrt' in sys.modules)"
+def test_tensorrt_rtx_builder_is_available_without_a_gpu():
+    import tensorrt_rtx
+
+    found = builder_available("tensorrt-rtx")
+    assert found.ok and found.version == tensorrt_rtx.__version__ == "1.7.1.116"
+    assert str(found) == "TensorRT-RTX 1.7.1.116"
+
+
+@pytest.mark.skipif(DATACENTER_INSTALLED, reason="datacenter TensorRT is installed here")
+def test_auto_picks_the_installed_builder_and_says_which():
+    missing = builder_available("tensorrt")
+    assert not missing.ok and missing.reason.startswith("tensorrt is not installed (pip install 'mbert-export[tensorrt]'")
+    assert runtime_version("tensorrt").reason == missing.reason and "\n" not in missing.reason
+    assert resolve_family("auto").family == "tensorrt-rtx"
+    with pytest.raises(EngineError, match=r"no TensorRT builder can run here: TensorRT: tensorrt is not installed"):
+        resolve_family("tensorrt")
+    with pytest.raises(EngineError, match="--engine must be one of auto, tensorrt, tensorrt-rtx or none"):
+        resolve_family("trt")
+
+
+def test_importing_the_modules_does_not_import_tensorrt():
+    code = ("import sys, mbert.export.engine, mbert.export.engine_only, mbert.export.trt_build, mbert.export.trt_precision, "
+            "mbert.runtime.checks, mbert.runtime.tensorrt, mbert.runtime.backends, mbert.runtime.verdicts; "
+            "print(sorted(m for m in ('tensorrt', 'tensorrt_rtx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "[]"
 
 
-# --- build_engine against a stand-in for the documented TensorRT Python API ------------------
-
-def fake_tensorrt(version: str, *, parse_errors=(), build_error: str | None = None):
-    """Just the calls build_engine makes, with the documented names and signatures."""
-    trt = types.ModuleType("tensorrt")
-    trt.__version__ = version
-    trt.calls = calls = {}
-
-    class ILogger:
-        def __init__(self):
-            pass
-
-    class Logger(ILogger):
-        ERROR, WARNING = 1, 2
-
-        def __init__(self, min_severity=2):
-            super().__init__()
-
-    class Flag:  # enum members by name; 10.x value of STRONGLY_TYPED is 1, 11.x has no use for it
-        STRONGLY_TYPED = 1 if version.startswith("10.") else 0
-
-    class Tensor:
-        def __init__(self, name):
-            self.name, self.shape = name, (-1, -1)
-
-    class Network:
-        def __init__(self, flags):
-            calls["network_flags"] = flags
-            self.inputs = []
-            self.num_inputs = 0
-
-        def get_input(self, i):
-            return self.inputs[i]
-
-    class ParserError:
-        def __init__(self, node, op, desc):
-            self._node, self._op, self._desc = node, op, desc
-
-        def node_name(self):
-            return self._node
-
-        def node_operator(self):
-            return self._op
-
-        def code(self):
-            return "UNSUPPORTED_NODE"
-
-        def desc(self):
-            return self._desc
-
-    class OnnxParser:
-        def __init__(self, network, logger):
-            self.network, self.errors = network, [ParserError(*e) for e in parse_errors]
-
-        def parse_from_file(self, model):
-            calls["parsed"] = model
-            self.network.inputs = [Tensor("input_ids"), Tensor("attention_mask")]
-            self.network.num_inputs = 2
-            return not self.errors
-
-        @property
-        def num_errors(self):
-            return len(self.errors)
-
-        def get_error(self, index):
-            return self.errors[index]
-
-    class OptimizationProfile:
-        def __init__(self):
-            self.shapes = {}
-
-        def set_shape(self, name, min, opt, max):  # noqa: A002 - TensorRT's keyword names
-            self.shapes[name] = (tuple(min), tuple(opt), tuple(max))
-
-    class TimingCache:
-        def __init__(self, data):
-            self.data = bytes(data)
-
-        def serialize(self):
-            return self.data + b"+timed"
-
-    class Config:
-        def __init__(self):
-            self.builder_optimization_level = 3
-            calls["profiles"], calls["cleared"] = [], []
-
-        def set_memory_pool_limit(self, pool, size):
-            calls["pool"] = (pool, size)
-
-        def clear_flag(self, flag):
-            calls["cleared"].append(flag)
-
-        def add_optimization_profile(self, profile):
-            calls["profiles"].append(profile.shapes)
-            return len(calls["profiles"]) - 1
-
-        def create_timing_cache(self, serialized_timing_cache):
-            calls["cache_in"] = bytes(serialized_timing_cache)
-            return TimingCache(serialized_timing_cache)
-
-        def set_timing_cache(self, cache, ignore_mismatch):
-            self.cache = cache
-            return True
-
-        def get_timing_cache(self):
-            return self.cache
-
-    class Builder:
-        def __init__(self, logger):
-            self.logger = logger
-
-        def create_network(self, flags=0):
-            return Network(flags)
-
-        def create_builder_config(self):
-            return Config()
-
-        def create_optimization_profile(self):
-            return OptimizationProfile()
-
-        def build_serialized_network(self, network, config):
-            calls["opt_level"] = config.builder_optimization_level
-            if build_error:
-                self.logger.log(1, build_error)
-                return None
-            return b"PLAN"
-
-    trt.ILogger, trt.Logger, trt.Builder, trt.OnnxParser = ILogger, Logger, Builder, OnnxParser
-    trt.NetworkDefinitionCreationFlag = Flag
-    trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
-    trt.BuilderFlag = types.SimpleNamespace(TF32="TF32")
-    return trt
+@pytest.mark.parametrize("text, want", [("8.6", (8, 6)), ("12.0", (12, 0)), (" 7.5", (7, 5))])
+def test_parse_capability(text, want):
+    assert parse_capability(text) == want
 
 
-@pytest.fixture
-def onnx_file(tmp_path: Path) -> Path:
-    path = tmp_path / "model.onnx"
-    path.write_bytes(b"onnx stand-in")
-    return path
+@pytest.mark.parametrize("text", ["86", "8.6.1", "sm_86", "", "8.x"])
+def test_parse_capability_rejects(text):
+    with pytest.raises(ValueError, match="not a compute capability"):
+        parse_capability(text)
 
 
-def install(monkeypatch, trt):
-    monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setattr(mtrt, "_gpu_info", lambda: ("NVIDIA H200", "9.0"))
+# --- the engine record ----------------------------------------------------------------------------
+
+def roundtrip(record: EngineRecord) -> EngineRecord:
+    return from_json(EngineRecord, json.loads(json.dumps(to_json(record), allow_nan=False)), "engine")
 
 
-@pytest.mark.parametrize("version, flags", [("10.13.3.9", 1 << 1), ("11.1.0.7", 0)])
-def test_build_engine_calls(monkeypatch, tmp_path, onnx_file, version, flags):
-    trt = fake_tensorrt(version)
-    install(monkeypatch, trt)
-    profiles = profiles_from(8, 64, split_seq=[16])
-    cache = tmp_path / "timing.cache"
-    info = build_engine(onnx_file, tmp_path / "out" / "model.plan", profiles, workspace_gib=0.5,
-                        timing_cache_path=cache, builder_optimization_level=5)
-    assert trt.calls["network_flags"] == flags  # STRONGLY_TYPED on 10.x only
-    assert trt.calls["parsed"] == str(onnx_file)
-    assert trt.calls["pool"] == ("WORKSPACE", 1 << 29)
-    assert trt.calls["cleared"] == ["TF32"] and trt.calls["opt_level"] == 5
-    assert trt.calls["profiles"] == [
-        {name: (p.min, p.opt, p.max) for name in ("input_ids", "attention_mask")}
-        for p in profiles]
-    assert (tmp_path / "out" / "model.plan").read_bytes() == b"PLAN"
-    assert trt.calls["cache_in"] == b"" and cache.read_bytes() == b"+timed"
-    assert (info.tensorrt_version, info.gpu_name, info.compute_capability) == (version, "NVIDIA H200", "9.0")
-    assert info.profiles == tuple(profiles) and info.workspace_gib == 0.5 and info.builder_optimization_level == 5
-    assert (info.onnx, info.file, info.validation) == ("model.onnx", "model.plan", None)
-    build_engine(onnx_file, tmp_path / "out" / "model.plan", profiles, timing_cache_path=cache)
-    assert trt.calls["cache_in"] == b"+timed"  # the saved cache is loaded by the next build
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.plan"]
+def test_record_round_trips_through_the_manifest_schema():
+    validated = rtx_record(validation=EngineValidation(RTX_3090, "1.7.1.116", ValidationReport("model.plan", ("c",), ())),
+                           not_run_reason=None)
+    for record in (rtx_record(), datacenter_record(), validated):
+        assert roundtrip(record) == record
+    d = to_json(rtx_record())
+    assert d["targets"] == ["8.6"] and d["built_on"] is None and d["validation"] is None
+    assert d["profiles"][1] == {"min": [1, 129], "opt": [4, 512], "max": [8, 512]}
+    assert d["precision_walk"]["file"] == "tensorrt_precision.json"
 
 
-def test_build_engine_collects_every_parser_error(monkeypatch, tmp_path, onnx_file):
-    install(monkeypatch, fake_tensorrt("10.13.0", parse_errors=[
-        ("/layers.0/attn/Attention", "Attention", "unsupported attribute"),
-        ("/head/Erf", "Erf", "no implementation for INT64")]))
-    with pytest.raises(EngineError) as info:
-        build_engine(onnx_file, tmp_path / "model.plan", profiles_from(1, 8))
-    message = str(info.value)
-    assert "(2 error(s))" in message and "\n" not in message
-    assert "[/layers.0/attn/Attention Attention] UNSUPPORTED_NODE: unsupported attribute" in message
-    assert "[/head/Erf Erf] UNSUPPORTED_NODE: no implementation for INT64" in message
-    assert not (tmp_path / "model.plan").exists()
+def test_status_and_summary():
+    record = rtx_record()
+    assert record.status == STATUS_NOT_RUN
+    assert record.summary() == ("model.plan: TensorRT-RTX 1.7.1.116, 2 profile(s), runs on GPUs of compute capability "
+                                "8.6 with TensorRT-RTX 1.7.1.116; built, not yet run (built on a machine without a "
+                                "CUDA GPU)")
+    ok = rtx_record(validation=EngineValidation(RTX_3090, "1.7.1.116", ValidationReport("model.plan", (), ())),
+                    not_run_reason=None)
+    assert ok.status == STATUS_VALIDATED and ok.summary().endswith(f"validated on {RTX_3090}")
+    assert "any Ampere or newer" in datacenter_record(options=BuilderOptions(80.0, 3, False, True, True, False)).runs_on()
+    assert "9.0 (NVIDIA H100 80GB HBM3)" in datacenter_record().runs_on()
 
 
-def test_failed_build_reports_log_and_keeps_old_plan(monkeypatch, tmp_path, onnx_file):
-    install(monkeypatch, fake_tensorrt("10.13.0", build_error="Error Code 2: out of memory"))
-    plan = tmp_path / "model.plan"
-    plan.write_bytes(b"previous")
-    with pytest.raises(EngineError, match="out of memory"):
-        build_engine(onnx_file, plan, profiles_from(1, 8))
-    assert plan.read_bytes() == b"previous"
-    assert [p.name for p in tmp_path.iterdir()] and not list(tmp_path.glob(".model.plan.*"))
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("family"), r"^engine\.family: required key is missing"),
+    (lambda d: d.update(family="trt"), r"^engine\.family: 'trt' is not one of 'tensorrt', 'tensorrt-rtx'"),
+    (lambda d: d.update(version=10), r"^engine\.version: expected a string"),
+    (lambda d: d.update(file="../model.plan"), r"^engine\.file: path '../model.plan' leads out of its folder"),
+    (lambda d: d.update(profiles=[]), "profiles must not be empty"),
+    (lambda d: d["profiles"][0].update(min=[0, 1]), r"^engine\.profiles\[0\]: profile batch sizes"),
+    (lambda d: d.update(targets=["86"]), "targets: not a compute capability: '86'"),
+    (lambda d: d.update(targets=[]), "must list its target compute capabilities"),
+    (lambda d: d.update(built_on={"name": "x"}), r"^engine\.built_on\.compute_capability: required key is missing"),
+    (lambda d: d["options"].update(workspace_gib=-1), "workspace_gib must be a positive number"),
+    (lambda d: d["options"].update(timing_cache=True), "hardware_compatible and timing_cache are datacenter"),
+    (lambda d: d["options"].pop("tf32"), r"^engine\.options\.tf32: required key is missing"),
+    (lambda d: d.update(not_run_reason=None), "exactly one of validation and not_run_reason must be set"),
+    (lambda d: d["precision_walk"].update(problems=["layers.0.mlp: the plan keeps it FP32 but ..."]),
+     "the precision walk must be a passed walk"),  # a failed walk fails the export: never in a bundle
+    (lambda d: d["precision_walk"]["sites"][0].update(tensorrt="half"), "precision must be one of float16"),
+    (lambda d: d["precision_walk"].update(onnx="model.onnx"), "the precision walk must be a passed walk of model.fp16"),
+    (lambda d: d.update(sha256="ab" * 32), r"^engine\.sha256: unknown key"),
+])
+def test_a_bad_record_is_refused_naming_the_key(edit, message):
+    d = to_json(rtx_record())
+    edit(d)
+    with pytest.raises(BundleError, match=message):
+        from_json(EngineRecord, d, "engine")
 
 
-def test_build_engine_argument_errors(monkeypatch, tmp_path, onnx_file):
-    install(monkeypatch, fake_tensorrt("10.13.0"))
-    with pytest.raises(EngineError, match="at least one"):
-        build_engine(onnx_file, tmp_path / "p", [])
-    with pytest.raises(EngineError, match="not found"):
-        build_engine(tmp_path / "missing.onnx", tmp_path / "p", profiles_from(1, 8))
-    with pytest.raises(EngineError, match="log_level"):
-        build_engine(onnx_file, tmp_path / "p", profiles_from(1, 8), log_level="loud")
-    install(monkeypatch, fake_tensorrt("8.6.1"))
-    with pytest.raises(EngineError, match="too old"):
-        build_engine(onnx_file, tmp_path / "p", profiles_from(1, 8))
+def test_datacenter_record_rules():
+    d = to_json(datacenter_record())
+    assert from_json(EngineRecord, d, "engine") == datacenter_record()
+    with pytest.raises(BundleError, match="must record the GPU it was built on"):
+        from_json(EngineRecord, dict(d, built_on=None), "engine")
+    with pytest.raises(BundleError, match="targets are for TensorRT-RTX"):
+        from_json(EngineRecord, dict(d, targets=["9.0"]), "engine")
 
 
-# --- real engines (TensorRT + CUDA GPU only) -------------------------------------------------
+# --- compatibility rules ----------------------------------------------------------------------------
 
-needs_trt = pytest.mark.skipif(not TRT_OK, reason=TRT_REASON or "TensorRT available")
-
-
-def tiny_onnx(path: Path) -> None:
-    """Embedding lookup masked by attention_mask, plus its mean over the sequence."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    table = np.random.default_rng(0).standard_normal((64, HIDDEN)).astype(np.float32)
-    ids = ["batch", "sequence"]
-    graph = helper.make_graph(
-        [helper.make_node("Gather", ["table", "input_ids"], ["emb"]),
-         helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=TensorProto.FLOAT),
-         helper.make_node("Unsqueeze", ["mask_f", "last_axis"], ["mask_3d"]),
-         helper.make_node("Mul", ["emb", "mask_3d"], ["last_hidden_state"]),
-         helper.make_node("ReduceMean", ["last_hidden_state"], ["sentence_embedding"],
-                          axes=[1], keepdims=0)],
-        "tiny",
-        [helper.make_tensor_value_info(n, TensorProto.INT64, ids)
-         for n in ("input_ids", "attention_mask")],
-        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ids + [HIDDEN]),
-         helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT,
-                                       ["batch", HIDDEN])],
-        [numpy_helper.from_array(table, "table"),
-         numpy_helper.from_array(np.array([-1], dtype=np.int64), "last_axis")])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+def test_rtx_plan_for_8_6_is_refused_elsewhere_and_accepted_on_8_6():
+    record = rtx_record(targets=("8.6",))
+    assert engine_compatibility(record, family_version="1.7.1.116", compute_capability="8.6") == []
+    (cc,) = engine_compatibility(record, family_version="1.7.1.116", compute_capability="8.9")
+    assert cc == "GPU compute capability 8.9 is not among the plan's targets (8.6)"
+    assert "not among" in engine_compatibility(record, family_version="1.7.1.116", compute_capability="9.0")[0]
+    (ver,) = engine_compatibility(record, family_version="1.8.0.1", compute_capability="8.6")
+    assert "TensorRT-RTX version: the plan was built with 1.7.1.116, this machine has 1.8.0.1" in ver
+    assert engine_compatibility(record, family_version=None, compute_capability=None) == [
+        "TensorRT-RTX is not installed (pip install 'mbert-export[tensorrt-rtx]')", "no CUDA GPU"]
+    portable = rtx_record(targets=PORTABLE_CAPABILITIES)
+    for cc in ("8.0", "8.6", "8.9", "12.0"):
+        assert engine_compatibility(portable, family_version="1.7.1.116", compute_capability=cc) == []
+    for cc in ("7.5", "9.0", "10.0", "12.1"):
+        assert engine_compatibility(portable, family_version="1.7.1.116", compute_capability=cc)
 
 
-@needs_trt
-def test_real_engine_matches_onnxruntime(tmp_path):
-    ort = pytest.importorskip("onnxruntime")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device for the runner's buffers")
-    tiny_onnx(tmp_path / "model.onnx")
-    profiles = profiles_from(4, 64, split_seq=[16])
-    info = build_engine(tmp_path / "model.onnx", tmp_path / "model.plan", profiles,
-                        workspace_gib=0.25, timing_cache_path=tmp_path / "timing.cache")
-    assert info.compute_capability.count(".") == 1
-    assert (tmp_path / "timing.cache").stat().st_size > 0
-    runner = TensorRTRunner(tmp_path / "model.plan")
-    assert runner.profiles == profiles
-    session = ort.InferenceSession(str(tmp_path / "model.onnx"),
-                                   providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(1)
-    for batch, seq in ((2, 10), (3, 40), (1, 16), (4, 17), (2, 10)):  # switches profiles
-        ids = rng.integers(0, 64, (batch, seq), dtype=np.int64)
-        mask = np.ones_like(ids)
-        mask[0, seq // 2:] = 0
-        got = runner.run(input_ids=ids, attention_mask=mask)
-        want = session.run(None, {"input_ids": ids, "attention_mask": mask})
-        np.testing.assert_allclose(got["last_hidden_state"], want[0], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got["sentence_embedding"], want[1], rtol=1e-5, atol=1e-6)
-    with pytest.raises(EngineError, match=r"no optimization profile covers .*batch=5"):
-        runner.run(input_ids=np.zeros((5, 8), np.int64), attention_mask=np.ones((5, 8), np.int64))
+def test_datacenter_plan_needs_same_version_and_capability_unless_hardware_compatible():
+    record = datacenter_record()  # built on 9.0 with 10.13.3.9
+    assert engine_compatibility(record, family_version="10.13.3.9", compute_capability="9.0") == []
+    (cc,) = engine_compatibility(record, family_version="10.13.3.9", compute_capability="8.9")
+    assert cc == "GPU compute capability: the plan was built for 9.0 (NVIDIA H100 80GB HBM3), this GPU is 8.9"
+    (ver,) = engine_compatibility(record, family_version="10.14.1", compute_capability="9.0")
+    assert "TensorRT version: the plan was built with 10.13.3.9, this machine has 10.14.1" in ver
+    assert len(engine_compatibility(record, family_version="11.0", compute_capability="12.0")) == 2
+    anywhere = datacenter_record(options=BuilderOptions(80.0, 3, False, True, True, False))
+    for cc in ("8.0", "8.6", "9.0", "12.0"):
+        assert engine_compatibility(anywhere, family_version="10.13.3.9", compute_capability=cc) == []
+    (old,) = engine_compatibility(anywhere, family_version="10.13.3.9", compute_capability="7.5")
+    assert "needs Ampere or newer (8.0+)" in old
 
 
-@needs_trt
-def test_real_parser_error_is_engine_error(tmp_path):
-    bad = tmp_path / "bad.onnx"
-    bad.write_bytes(b"this is not an onnx protobuf")
-    with pytest.raises(EngineError, match="ONNX parser rejected"):
-        build_engine(bad, tmp_path / "model.plan", profiles_from(1, 8))
+def test_can_run_reads_the_installed_version():
+    import tensorrt_rtx
+
+    record = rtx_record(version=tensorrt_rtx.__version__, targets=("8.6", "8.9"))
+    assert can_run(record, Gpu("NVIDIA GeForce RTX 4090", "8.9")) == (True, [])  # rules only: no plan given
+    ok, problems = can_run(record, Gpu("NVIDIA H200", "9.0"))
+    assert not ok and problems == ["GPU compute capability 9.0 is not among the plan's targets (8.6, 8.9)"]
+    assert can_run(record, None) == (False, ["no CUDA GPU"])
+    if not DATACENTER_INSTALLED:
+        ok, problems = can_run(datacenter_record(), Gpu("NVIDIA H100 80GB HBM3", "9.0"))
+        assert not ok and problems[0].startswith("TensorRT unavailable: tensorrt is not installed")
+
+
+# --- the export's engine options, checked before any work ----------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(engine="trt"), "--engine must be one of auto, tensorrt, tensorrt-rtx or none, got 'trt'"),
+    (dict(compute_capabilities=("9.0",)), "--compute-capability 9.0: TensorRT-RTX targets 7.5, 8.0, 8.6, 8.9, 12.0, "
+                                          "12.1; 9.0 and 10.0 GPUs (H100, H200, B200) need datacenter TensorRT"),
+    (dict(compute_capabilities=("sm86",)), "--compute-capability sm86"),
+    (dict(compute_capabilities=()), "--compute-capability needs at least one capability"),
+    (dict(engine="tensorrt", compute_capabilities=("8.6",)), "does not apply with --engine tensorrt"),
+    (dict(engine="tensorrt-rtx", hardware_compatible=True), "--hardware-compatible is a datacenter TensorRT option"),
+    (dict(engine="none", compute_capabilities=("8.6",)), "does not apply with --engine none"),
+    (dict(compute_capabilities=("8.6",), hardware_compatible=True), "exclude each other"),
+    (dict(fp16=False, engine="tensorrt-rtx"), "they apply only with --fp16"),
+    (dict(workspace_gib=0.0), "--workspace-gib must be a positive number"),
+    (dict(engine="tensorrt-rtx", triton_encoder="trt"), "needs --fp16 and a datacenter TensorRT engine (Triton cannot "
+                                                        "load TensorRT-RTX plans)"),
+])
+def test_engine_options_are_checked(kwargs, message):
+    with pytest.raises(OptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ExportOptions(**{"fp16": True, **kwargs}).check()
+
+
+def test_engine_options_choose_the_family():
+    assert ExportOptions(fp16=True).family == "auto" and ExportOptions(fp16=True).workspace_gib is None
+    assert ExportOptions(fp16=True, compute_capabilities=("8.6",)).family == "tensorrt-rtx"
+    assert ExportOptions(fp16=True, hardware_compatible=True).family == "tensorrt"
+    assert ExportOptions(fp16=True, engine="tensorrt-rtx").family == "tensorrt-rtx"
+    ExportOptions(fp16=True, engine="tensorrt-rtx", compute_capabilities=("7.5", "12.1")).check()
+    ExportOptions(fp16=False, engine="none").check()

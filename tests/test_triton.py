@@ -17,7 +17,7 @@ model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
 from mbert.export.pbtxt import Enum, to_pbtxt  # noqa: E402
 from mbert.bundle import Profile  # noqa: E402
-from mbert.export.tensorrt import profiles_from  # noqa: E402
+from mbert.export.trt_build import profiles_from  # noqa: E402
 from mbert.export.triton import TritonSpec, default_buckets, write_triton_repository  # noqa: E402
 from mbert.modeling.errors import BundleError  # noqa: E402
 from mbert.modeling.graph import TensorSpec  # noqa: E402

@@ -26,7 +26,7 @@ from mbert.bundle import open_bundle
 from mbert.bundle.texts import calibration_texts
 from mbert.export.options import ExportOptions
 from mbert.export.pipeline import export_bundle
-from mbert.export.tensorrt import profiles_from
+from mbert.export.trt_build import profiles_from
 from mbert.export.triton import spec_for, write_triton_repository
 from mbert.modeling.errors import MbertError
 from mbert.runtime import Encoder, TritonEncoder
