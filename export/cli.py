@@ -53,10 +53,12 @@ import click
                    "folder and stop: for trying the tool offline.")
 @click.option("--preset", type=click.Choice(["tiny", "base"]), default="tiny", show_default=True,
               help="With --random-checkpoint: 'base' is the published ModernBERT-base shape, 'tiny' a small one.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where the eager passes run (FP16 scan, reference outputs); auto = CUDA when torch sees a GPU.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibration, margin, max_batch, opt_batch,
          opt_seq_len, split_seq, workspace_gib, engine, compute_capability, hardware_compatible, no_engine,
-         triton_encoder, engine_only, random_checkpoint, preset, debug):
+         triton_encoder, engine_only, random_checkpoint, preset, device, debug):
     """Export a ModernBERT-family checkpoint (hub id or local folder) to a validated bundle.
 
     \b
@@ -79,6 +81,10 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibratio
     from .transaction import sigterm_as_interrupt
 
     sigterm_as_interrupt()
+    if not debug:  # TensorRT's own warnings and errors go to the build logs in the bundle, not the terminal
+        import logging
+
+        logging.getLogger("mbert.tensorrt").addHandler(logging.NullHandler())
     try:
         if random_checkpoint is not None:
             from mbert.modeling.random import write_random_checkpoint
@@ -103,7 +109,8 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibratio
                                 fp16=fp16, calibration=calibration, margin=margin, max_batch=max_batch,
                                 opt_batch=opt_batch, opt_seq_len=opt_seq_len, split_seq=split,
                                 workspace_gib=workspace_gib, engine=engine, compute_capabilities=targets,
-                                hardware_compatible=hardware_compatible, triton_encoder=triton_encoder, int8=int8)
+                                hardware_compatible=hardware_compatible, triton_encoder=triton_encoder, int8=int8,
+                                device=device)
         t0 = time.perf_counter()
         result = export_bundle(model, options, report=echo)
         click.echo(summary(result))

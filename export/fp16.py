@@ -15,6 +15,7 @@ from mbert.bundle.schema import to_json
 from mbert.bundle.validation import Case, ValidationReport, compare, tolerances_for
 from mbert.modeling.model import encoder_of
 
+from .lowering import TARGET_INFO
 from .onnx import graph_opset, to_onnx
 from .precision import Plan, ScanReport, plan as make_plan, save_precision, scan, scan_batches, to_mixed_precision
 from .runners import onnx_runner
@@ -34,13 +35,14 @@ class Fp16Outcome:
 
 
 def scan_and_plan(ctx: "Context") -> tuple[ScanReport, Plan]:
-    report = scan(ctx.model, scan_batches(ctx.tokenizer, ctx.texts, ctx.max_len))
+    report = scan(ctx.model, scan_batches(ctx.tokenizer, ctx.texts, ctx.max_len), device=ctx.device,
+                  progress=ctx.progress)
     return report, make_plan(report, ctx.options.margin)
 
 
 def trace_mixed(ctx: "Context", plan: Plan) -> None:
     to_onnx(to_mixed_precision(ctx.model, plan), ctx.staging / FP16_FILE, pooling=ctx.pooling,
-            opset=ctx.options.opset, max_seq_len=ctx.max_len)
+            opset=ctx.options.opset, max_seq_len=ctx.max_len, target="tensorrt", progress=ctx.progress)
 
 
 def validate_mixed(ctx: "Context", report: ScanReport, plan: Plan) -> Fp16Outcome:
@@ -50,7 +52,8 @@ def validate_mixed(ctx: "Context", report: ScanReport, plan: Plan) -> Fp16Outcom
 
     tolerances = tolerances_for("fp16", ctx.graph.output_names)
     ours = compare(FP16_FILE, onnx_runner(ctx.staging / FP16_FILE), ctx.reference, ctx.cases, tolerances)
-    naive, naive_error = naive_report(ctx.staging / "model.onnx", ctx.reference, ctx.cases, tolerances)
+    assert ctx.portable is not None, "the trace writes the standard-ops FP32 graph with --fp16"
+    naive, naive_error = naive_report(ctx.portable, ctx.reference, ctx.cases, tolerances)
     short = [c for c in ctx.cases if c.input_ids.shape[1] <= 512]
     kinds = per_layer_kind(ctx.model, to_mixed_precision(ctx.model, plan), short)
     save_precision(ctx.staging / "precision.json", report, plan,
@@ -62,7 +65,8 @@ def validate_mixed(ctx: "Context", report: ScanReport, plan: Plan) -> Fp16Outcom
         decisions=tuple(f"layer {d.layer}: {d.site} {d.max_abs:.4g} -> {d.precision}" for d in plan.decisions),
         max_abs_seen=max(s.max_abs for s in report.stats), per_layer_kind=kinds,
         naive_fp16=naive, naive_fp16_error=naive_error)
-    graph = GraphRecord(FP16_FILE, "fp16", ("onnxruntime", "tensorrt"), graph_opset(ctx.staging / FP16_FILE), ours)
+    graph = GraphRecord(FP16_FILE, "fp16", TARGET_INFO["tensorrt"].runtimes, graph_opset(ctx.staging / FP16_FILE),
+                        ours)
     return Fp16Outcome(graph, record, report, plan)
 
 

@@ -154,6 +154,18 @@ def to_onnx(
                           progress=progress)
 
 
+def check_dynamic_axes(path: str | Path) -> None:
+    """Every input of the written graph has symbolic batch and sequence axes (never a fixed size)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    for tensor in proto.graph.input:
+        dims = [d.dim_param or d.dim_value for d in tensor.type.tensor_type.shape.dim]
+        if len(dims) != 2 or not all(isinstance(d, str) and d for d in dims):
+            raise ExportError(f"{path}: input {tensor.name!r} has shape {dims}; its batch and sequence axes must "
+                              "be dynamic, the graph is not written")
+
+
 def graph_opset(path: str | Path) -> int:
     import onnx
 

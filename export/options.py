@@ -38,6 +38,7 @@ class ExportOptions:
     hardware_compatible: bool = False  # datacenter TensorRT: a plan for any Ampere or newer GPU
     triton_encoder: str = "python"  # what the Triton ensemble routes to: python, onnx or trt
     int8: bool = False  # also model.int8.onnx for CPU serving (export/int8_stage.py)
+    device: str = "auto"  # the eager passes (scan, reference outputs): auto | cpu | cuda (mbert.export.device)
 
     def target(self, source: str | Path) -> Path:
         """The bundle folder: ``out``, else ``engines/<last part of source>``."""
@@ -64,6 +65,10 @@ class ExportOptions:
                                                    and math.isfinite(self.workspace_gib) and self.workspace_gib > 0):
             raise OptionError(f"--workspace-gib must be a positive number, got {self.workspace_gib!r}")
         self._check_engine()
+        from .device import DEVICES
+
+        if self.device not in DEVICES:
+            raise OptionError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.opt_batch is not None and self.opt_batch > self.max_batch:
             raise OptionError(f"--opt-batch {self.opt_batch} exceeds --max-batch {self.max_batch}")
         if self.max_seq_len is not None and self.opt_seq_len is not None and self.opt_seq_len > self.max_seq_len:

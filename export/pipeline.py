@@ -8,6 +8,7 @@ the bundle is written as a transaction (:mod:`mbert.export.transaction`).
 from __future__ import annotations
 
 import platform
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,8 +20,8 @@ from mbert.bundle import GraphRecord, IO, Manifest, Source, model_info, write
 from mbert.bundle.texts import calibration_texts, load_text_file
 from mbert.bundle.validation import Case, ValidationReport, build_cases, compare, default_grid, tolerances_for
 from mbert.modeling import load_model, load_pooling
-from mbert.modeling.errors import OptionError
-from mbert.modeling.graph import GraphModule, Runner, eager_runner
+from mbert.modeling.errors import ExportError, OptionError
+from mbert.modeling.graph import GraphModule
 from mbert.modeling.pooling import PoolingConfig
 from mbert.modeling.random import is_random
 from mbert.modeling.tokenizer import check_token_ids, load_tokenizer
@@ -28,12 +29,18 @@ from mbert.modeling.tokenizer import check_token_ids, load_tokenizer
 from . import fp16 as fp16_mod
 from . import int8_stage
 from .engine import EngineOutcome, engine_stage
-from .onnx import graph_opset, to_onnx
+from .device import resolve_device
+from .lowering import TARGET_INFO
+from .onnx import export_targets, graph_opset
+from .progress import Progress, ProgressFn
+from .reference import ReferenceOutputs
 from .options import ExportOptions
-from .runners import memoize, onnx_runner
+from .runners import onnx_runner
 from .transaction import check_target, transaction
 
-Reporter = Callable[[str, str], None]  # (event, message); events: "stage", "done", "info", "warn"
+Reporter = Callable[[str, str], None]  # (event, message); events: "stage", "done", "info", "warn", "progress"
+FP32_FILE = "model.onnx"
+SCRATCH = ".scratch"  # files the export needs and the bundle does not (removed before the seal)
 
 
 @dataclass
@@ -50,7 +57,10 @@ class Context:
     max_len: int
     texts: list[str]  # built-in texts plus the user's calibration file
     cases: list[Case] = field(default_factory=list)  # the validation grid on real text
-    reference: Runner | None = None  # the eager FP32 graph, outputs remembered per case
+    reference: ReferenceOutputs | None = None  # the eager FP32 graph on ``device``, outputs cached per case
+    device: torch.device = torch.device("cpu")  # where the eager passes run (--device)
+    progress: ProgressFn | None = None  # progress records of long stages
+    portable: Path | None = None  # with --fp16: the FP32 graph in standard ops (scratch, not in the bundle)
 
     @property
     def graph(self) -> GraphModule:
@@ -85,12 +95,14 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
     """Export ``source`` (hub id or folder) to a validated bundle at ``options.target(source)``."""
     options.check()
     _check_builder(options)
+    device = _device(options)
     target = options.target(source)
     check_target(target, options.overwrite)
     texts = calibration_texts() + (load_text_file(options.calibration) if options.calibration else [])
     stages = _Stages(report, 4 + (4 if options.fp16 else 0) + (3 if options.int8 else 0))
     with transaction(target, options.overwrite, lambda m: report("info", m)) as staging:
         ctx = stages.run("load", load, str(source), options, target, staging, texts)
+        ctx.device, ctx.progress = device, _throttled(report)
         if is_random(ctx.model.source.path):
             report("warn", f"{source} has RANDOM weights (written by --random-checkpoint): fine for trying the tool, "
                            "meaningless as a model")
@@ -102,7 +114,8 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
             stages.run("mixed precision", fp16_mod.trace_mixed, ctx, plan)
             fp16 = stages.run("validate fp16", fp16_mod.validate_mixed, ctx, scan_report, plan)
             graphs.append(fp16.graph)
-            engine = stages.run("engine", engine_stage, staging, target, ctx.max_len, options, ctx.cases)
+            engine = stages.run("engine", engine_stage, staging, target, ctx.max_len, options, ctx.cases,
+                                ctx.portable)
         int8 = None
         if options.int8:  # independent of --fp16: the CPU path
             sensitivity = stages.run("int8 sensitivity", int8_stage.sensitivity, ctx)
@@ -125,6 +138,26 @@ def _check_builder(options: ExportOptions) -> None:
         raise OptionError(f"--engine {options.family}: {found.reason}")
 
 
+def _device(options: ExportOptions) -> torch.device:
+    try:
+        return resolve_device(options.device)
+    except ExportError as exc:
+        raise OptionError(str(exc)) from exc
+
+
+def _throttled(report: Reporter, every_s: float = 5.0) -> ProgressFn:
+    """Progress records as "progress" events: a line once a stage has run ``every_s`` and then at
+    most every ``every_s`` (the scan's lines carry its estimate of the time left)."""
+    last: dict[str, float] = {}
+
+    def show(p: Progress) -> None:
+        if p.elapsed_s >= every_s and p.elapsed_s - last.get(p.stage, 0.0) >= every_s:
+            last[p.stage] = p.elapsed_s
+            report("progress", p.line())
+
+    return show
+
+
 def load(source: str, options: ExportOptions, target: Path, staging: Path, texts: list[str]) -> Context:
     """Config, options against it, tokenizer and ids, pooling, then the weights (strict, finite)."""
     from mbert.modeling import resolve
@@ -142,13 +175,20 @@ def load(source: str, options: ExportOptions, target: Path, staging: Path, texts
     ctx = Context(source, options, target, staging, model, pooling, tokenizer, max_len, texts)
     ctx.cases = build_cases(tokenizer, texts, default_grid(cfg.window_half_width, max_len),
                             cfg.cls_token_id, cfg.sep_token_id, cfg.pad_token_id)
-    ctx.reference = memoize(eager_runner(ctx.graph))
+    ctx.reference = ReferenceOutputs(ctx.graph, device=_device(options))
     return ctx
 
 
 def trace(ctx: Context) -> IO:
-    specs = to_onnx(ctx.model, ctx.staging / "model.onnx", pooling=ctx.pooling, opset=ctx.options.opset,
-                    max_seq_len=ctx.max_len)
+    """One trace, written per target (``mbert.export.lowering``): ``model.onnx`` for ONNX Runtime (fused
+    attention), and with --fp16 the same FP32 graph in standard ops, which the naive FP16 verdicts
+    convert (kept in a scratch folder of the staging folder, removed before the bundle is sealed)."""
+    paths = {"onnxruntime": ctx.staging / FP32_FILE}
+    if ctx.options.fp16:
+        ctx.portable = ctx.staging / SCRATCH / "model.portable.onnx"
+        paths["tensorrt"] = ctx.portable
+    specs = export_targets(ctx.model, paths, pooling=ctx.pooling, opset=ctx.options.opset,
+                           max_seq_len=ctx.max_len, progress=ctx.progress)
     return IO(tuple(s for s in specs if s.dtype == "int64"), tuple(s for s in specs if s.dtype != "int64"))
 
 
@@ -161,8 +201,9 @@ def validate_graph(ctx: Context, file: str, precision: str) -> ValidationReport:
 
 
 def validate(ctx: Context) -> GraphRecord:
-    report = validate_graph(ctx, "model.onnx", "fp32")
-    return GraphRecord("model.onnx", "fp32", ("onnxruntime", "tensorrt"), graph_opset(ctx.staging / "model.onnx"),
+    ctx.reference.precompute(ctx.cases, ctx.progress)  # the eager outputs every graph is compared with
+    report = validate_graph(ctx, FP32_FILE, "fp32")
+    return GraphRecord(FP32_FILE, "fp32", TARGET_INFO["onnxruntime"].runtimes, graph_opset(ctx.staging / FP32_FILE),
                        report)
 
 
@@ -174,6 +215,7 @@ def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod
     from .triton import record_of, spec_for, write_triton_repository
 
     cfg, resolved = ctx.model.config, ctx.model.source
+    shutil.rmtree(ctx.staging / SCRATCH, ignore_errors=True)
     copy_side_files(resolved.path, ctx.staging)
     manifest = Manifest(
         format_version=2, name=ctx.target.name, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

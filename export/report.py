@@ -17,6 +17,8 @@ def echo(event: str, message: str) -> None:
         click.echo(click.style(message, bold=True) + " ...", err=True)
     elif event == "done":
         click.echo(f"    done in {message.split(': ')[-1]}", err=True)
+    elif event == "progress":
+        click.echo(f"    {message}", err=True)
     else:
         click.echo(message, err=True)
 

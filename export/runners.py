@@ -23,17 +23,3 @@ def onnx_runner(path: Path, providers: Sequence[str] = ("CPUExecutionProvider",)
         return dict(zip(names, session.run(names, {"input_ids": ids, "attention_mask": mask})))
 
     return run
-
-
-def memoize(run: Runner) -> Runner:
-    """``run`` remembering its outputs per input array, so the eager reference of a case is computed
-    once however many graphs are compared against it (the cases are long-lived objects)."""
-    seen: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
-
-    def cached(ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-        hit = seen.get(id(ids))
-        if hit is None or hit[0] is not ids:
-            hit = seen[id(ids)] = (ids, run(ids, mask))
-        return hit[1]
-
-    return cached
