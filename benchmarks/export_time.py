@@ -10,13 +10,11 @@ pipeline's own stage reports, in a fresh subprocess per system:
   before   the same pipeline from another revision (``--before REV``, default: the commit before
            issue 11's attention/scan work), extracted with ``git archive`` into the cache
 
-and ``steps`` times the library steps the pipeline is to be wired to (issue 11): one trace for
-the FP32 graph of each target, the scan on ``--device``, the mixed-precision TensorRT-form graph,
-the eager reference outputs computed once for every validation case.
+``--device`` applies to ``after`` (the scan and the reference outputs); ``before`` ran them on the CPU.
 
     python benchmarks/export_time.py                      # full size, before and after -> results/export_time.md
     python benchmarks/export_time.py --quick --out /tmp/x # smoke test: 4-layer 128-wide model
-    python benchmarks/export_time.py --systems after,steps --device cuda
+    python benchmarks/export_time.py --systems after --device cuda
 
 Targets (issue 11): end to end <= 240 s on an idle 2-core build machine, scan <= 60 s. CPU time
 is shown because wall time on a shared machine means little; the targets are judged on wall time.
@@ -38,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BEFORE_REV = "b06b5a7"  # the last commit before issue 11's attention and export-speed work
 SMALL = dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=2, intermediate_size=192)
-SYSTEMS = ("before", "after", "steps")
+SYSTEMS = ("before", "after")
 TARGET_TOTAL_S, TARGET_SCAN_S = 240.0, 60.0
 
 
@@ -67,46 +65,19 @@ class Clock:
         return {"stage": "total", "wall_s": time.perf_counter() - self.t0, "cpu_s": time.process_time() - self.c0}
 
 
-def child_pipeline(ckpt: Path, out: Path) -> dict:
+def child_pipeline(ckpt: Path, out: Path, device: str) -> dict:
+    import dataclasses
+
     from mbert.export.pipeline import ExportOptions, export_bundle
 
+    fields = {f.name for f in dataclasses.fields(ExportOptions)}
+    if "device" in fields:  # this checkout: --engine none, --device
+        options = ExportOptions(out=out, fp16=True, engine="none", overwrite=True, device=device)
+    else:  # the revision before issue 11: --no-engine was engine=False, the eager passes ran on the CPU
+        options = ExportOptions(out=out, fp16=True, engine=False, overwrite=True)
     clock = Clock()
-    export_bundle(ckpt, ExportOptions(out=out, fp16=True, engine=False, overwrite=True), clock.report)
+    export_bundle(ckpt, options, clock.report)
     return {"stages": clock.stages + [clock.total()]}
-
-
-def child_steps(ckpt: Path, out: Path, device: str) -> dict:
-    """The library steps of issue 11, in the order the wired pipeline runs them."""
-    from mbert.export.onnx import GraphModule, export_targets
-    from mbert.export.precision import plan, scan, scan_batches, to_mixed_precision
-    from mbert.export.reference import ReferenceOutputs
-    from mbert.export.texts import calibration_texts
-    from mbert.export.validate import build_cases, default_grid, load_tokenizer
-    from mbert.modeling import load_model, load_pooling
-
-    clock = Clock()
-    clock.start("load")
-    model, pooling, tokenizer = load_model(ckpt), load_pooling(ckpt), load_tokenizer(ckpt)
-    max_len = model.config.max_position_embeddings
-    clock.stop("load")
-    clock.start("trace: FP32, both targets, one capture")
-    export_targets(model, {"onnxruntime": out / "model.onnx", "tensorrt": out / "model.trt.onnx"},
-                   pooling=pooling, max_seq_len=max_len)
-    clock.stop("trace: FP32, both targets, one capture")
-    texts = calibration_texts()
-    cases = build_cases(tokenizer, texts, default_grid(model.config.window_half_width, max_len),
-                        model.config.cls_token_id, model.config.sep_token_id, model.config.pad_token_id)
-    clock.start(f"reference outputs, {len(cases)} cases, once ({device})")
-    ReferenceOutputs(GraphModule(model, pooling).eval(), device=device).precompute(cases)
-    clock.stop(f"reference outputs, {len(cases)} cases, once ({device})")
-    clock.start(f"scan ({device})")
-    report = scan(model, scan_batches(tokenizer, texts, max_len), device=device)
-    clock.stop(f"scan ({device})")
-    clock.start("mixed precision: TensorRT form")
-    export_targets(to_mixed_precision(model, plan(report)), {"tensorrt": out / "model.fp16.onnx"},
-                   pooling=pooling, max_seq_len=max_len)
-    clock.stop("mixed precision: TensorRT form")
-    return {"stages": clock.stages + [clock.total()], "scan_tokens": report.num_tokens}
 
 
 def source_tree(rev: str, cache: Path) -> Path:
@@ -155,10 +126,7 @@ def child(system: str, args) -> None:
 
     ckpt = checkpoint(args.cache, args.quick)
     with tempfile.TemporaryDirectory() as tmp:
-        if system == "steps":
-            result = child_steps(ckpt, Path(tmp), args.device)
-        else:
-            result = child_pipeline(ckpt, Path(tmp) / "bundle")
+        result = child_pipeline(ckpt, Path(tmp) / "bundle", args.device)
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result["package"] = str(Path(mbert.export.__file__).parent)
     print(json.dumps(result))
@@ -204,7 +172,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
     ap.add_argument("--before", default=BEFORE_REV, help="git revision for the 'before' pipeline")
-    ap.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="eager steps of 'steps'")
+    ap.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="--device of 'after'")
     ap.add_argument("--quick", action="store_true", help="smoke test with a 4-layer 128-wide model")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--cache", type=Path, default=REPO / "benchmarks" / ".cache")

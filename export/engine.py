@@ -47,9 +47,8 @@ class EngineOutcome:
 
 
 def engine_stage(staging: Path, target: Path, max_len: int, options: ExportOptions,
-                 cases: Sequence[Case], portable_fp32: Path | None = None) -> EngineOutcome:
-    """Build and check the plan in ``staging`` (the bundle will be ``target``). ``portable_fp32``: the
-    FP32 graph in standard ops, for TensorRT's verdict on the naive all-FP16 conversion."""
+                 cases: Sequence[Case]) -> EngineOutcome:
+    """Build and check the plan in ``staging`` (the bundle will be ``target``)."""
     later = f"build it later from this bundle with: mbert-export --engine-only {target}"
     if options.engine == "none":
         return EngineOutcome(None, None, f"no TensorRT engine (--engine none); {later}")
@@ -59,8 +58,7 @@ def engine_stage(staging: Path, target: Path, max_len: int, options: ExportOptio
         if options.family != "auto":
             raise
         return EngineOutcome(None, None, f"no TensorRT engine: {exc}; {later}")
-    return build_in(staging, found, options, max_len, cases, target.parent / TIMING_CACHE,
-                    portable_fp32=portable_fp32)
+    return build_in(staging, found, options, max_len, cases, target.parent / TIMING_CACHE)
 
 
 def chosen(found: Availability, options: ExportOptions) -> str:
@@ -77,11 +75,10 @@ def chosen(found: Availability, options: ExportOptions) -> str:
 
 
 def build_in(folder: Path, found: Availability, options: ExportOptions, max_len: int, cases: Sequence[Case],
-             timing_cache: Path, say: Callable[[str], None] = lambda message: None,
-             portable_fp32: Path | None = None) -> EngineOutcome:
+             timing_cache: Path, say: Callable[[str], None] = lambda message: None) -> EngineOutcome:
     """Steps 2-5 of the module docstring in ``folder`` (it holds the bundle's graphs and
-    precision.json); returns the engine record, TensorRT's naive verdict (None without
-    ``portable_fp32``, the FP32 graph in standard ops) and the note. ``say`` reports progress."""
+    precision.json); returns the engine record, TensorRT's naive verdict and the note. ``say``
+    reports progress."""
     from .precision import load_precision
     from .trt_build import build_log_text, build_parsed, parse_onnx, profiles_from
     from .trt_precision import save_walk, walk_parsed
@@ -99,8 +96,7 @@ def build_in(folder: Path, found: Availability, options: ExportOptions, max_len:
     walk, listing = walk_parsed(parsed, plan, file=WALK_FILE)  # the very network the builder was given
     save_walk(folder / WALK_FILE, walk, listing)
     walk.raise_if_failed()
-    naive = (naive_verdict(portable_fp32, profiles, found.family, options.compute_capabilities)
-             if portable_fp32 is not None else None)
+    naive = naive_verdict(folder / FP16_FILE, profiles, found.family, options.compute_capabilities)
     draft = EngineRecord(file=PLAN_FILE, onnx=FP16_FILE, family=found.family, version=found.version,
                          profiles=built.profiles, targets=built.targets, built_on=built.built_on, options=built.options,
                          build_seconds=built.seconds, build_log=BUILD_LOG, precision_walk=walk,
@@ -142,16 +138,16 @@ def validate_engine(folder: Path, cases: Sequence[Case], family: str) -> Validat
     return report
 
 
-def naive_verdict(fp32_graph: Path, profiles, family: str, targets: Sequence[str] | None) -> TensorRTVerdict | None:
-    """TensorRT's verdict on the naive all-FP16 conversion of ``fp32_graph`` (standard ops; None when
-    the naive graph cannot even be written; ONNX Runtime's verdict says why)."""
+def naive_verdict(graph: Path, profiles, family: str, targets: Sequence[str] | None) -> TensorRTVerdict | None:
+    """TensorRT's verdict on the naive all-FP16 conversion of ``graph`` (``fp16.write_naive_fp16``;
+    None when the naive graph cannot even be written; ONNX Runtime's verdict says why)."""
     from .fp16 import write_naive_fp16
     from .trt_build import tensorrt_verdict
 
     with tempfile.TemporaryDirectory(prefix="mbert-naive-") as tmp:
         path = Path(tmp) / "naive.fp16.onnx"
         try:
-            write_naive_fp16(fp32_graph, path)
+            write_naive_fp16(graph, path)
         except Exception:  # noqa: BLE001 - the naive conversion failing is ONNX Runtime's finding, reported there
             return None
         return tensorrt_verdict(path, profiles, family=family, compute_capabilities=targets)

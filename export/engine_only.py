@@ -17,7 +17,6 @@ from mbert.modeling.errors import BundleError, OptionError
 from mbert.modeling.tokenizer import load_tokenizer
 
 from .engine import BUILD_LOG, PLAN_FILE, TIMING_CACHE, WALK_FILE, build_in, chosen
-from .lowering import is_portable
 from .options import ExportOptions
 from .transaction import stage_copy, transaction
 
@@ -49,10 +48,8 @@ def build_for_bundle(bundle: Path, options: ExportOptions, report=lambda e, m: N
         for name in (PLAN_FILE, BUILD_LOG, WALK_FILE):
             (tmp / name).unlink(missing_ok=True)
         report("stage", "[1/2] engine: build, precision walk, validation")
-        fp32 = tmp / manifest.graph("fp32").file  # the naive verdict needs it in standard ops
         outcome = build_in(tmp, found, options, manifest.max_seq_len, cases, bundle.parent / TIMING_CACHE,
-                           say=lambda message: report("info", message),
-                           portable_fp32=fp32 if is_portable(fp32) else None)
+                           say=lambda message: report("info", message))
         report("stage", "[2/2] write")
         updated = replace(manifest, engine=outcome.record,
                           precision=replace(manifest.precision, naive_fp16_tensorrt=outcome.naive))

@@ -52,8 +52,7 @@ def validate_mixed(ctx: "Context", report: ScanReport, plan: Plan) -> Fp16Outcom
 
     tolerances = tolerances_for("fp16", ctx.graph.output_names)
     ours = compare(FP16_FILE, onnx_runner(ctx.staging / FP16_FILE), ctx.reference, ctx.cases, tolerances)
-    assert ctx.portable is not None, "the trace writes the standard-ops FP32 graph with --fp16"
-    naive, naive_error = naive_report(ctx.portable, ctx.reference, ctx.cases, tolerances)
+    naive, naive_error = naive_report(ctx.staging / FP16_FILE, ctx.reference, ctx.cases, tolerances)
     short = [c for c in ctx.cases if c.input_ids.shape[1] <= 512]
     kinds = per_layer_kind(ctx.model, to_mixed_precision(ctx.model, plan), short)
     save_precision(ctx.staging / "precision.json", report, plan,
@@ -70,28 +69,34 @@ def validate_mixed(ctx: "Context", report: ScanReport, plan: Plan) -> Fp16Outcom
     return Fp16Outcome(graph, record, report, plan)
 
 
-def naive_report(fp32_onnx: Path, reference, cases, tolerances) -> tuple[ValidationReport | None, str | None]:
-    """The same validation on a naive all-FP16 conversion of the FP32 graph: onnxruntime's float16
-    converter with IO kept FP32, what a user would otherwise run. Shown beside ours, never gating;
-    (report, None), or (None, why) when the naive graph does not even run."""
+def naive_report(graph: Path, reference, cases, tolerances) -> tuple[ValidationReport | None, str | None]:
+    """The same validation on the naive all-FP16 graph (:func:`write_naive_fp16` of ``graph``), what a
+    user would otherwise run. Shown beside ours, never gating; (report, None), or (None, why) when
+    the naive graph does not even run."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "naive.fp16.onnx"
         try:
-            write_naive_fp16(fp32_onnx, path)
+            write_naive_fp16(graph, path)
             return compare("naive fp16 (onnxruntime float16 converter)", onnx_runner(path), reference, cases,
                            tolerances), None
         except Exception as exc:  # noqa: BLE001 - the naive path failing is a finding, not an export error
             return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-def write_naive_fp16(fp32_onnx: Path, path: Path) -> None:
-    """The naive all-FP16 graph: onnxruntime's float16 converter on ``fp32_onnx``, IO kept FP32."""
+def write_naive_fp16(graph: Path, path: Path) -> None:
+    """The naive all-FP16 graph: onnxruntime's float16 converter on ``graph``, IO kept FP32.
+
+    ``graph`` is a standard-ops graph of the model: the FP32 one, or the mixed FP16 graph (what the
+    export passes: the FP32 ``model.onnx`` is in ONNX Runtime's fused form, which TensorRT cannot
+    parse). The converter makes every float computation FP16, the plan's FP32 islands included (it
+    rewrites ``Cast(to=FLOAT)`` into ``Cast(to=FLOAT16)``), so both give the same all-FP16 graph up
+    to no-op casts; ``tests/test_precision.py`` checks that their outputs agree."""
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     with warnings.catch_warnings():  # it warns about every constant it clamps
         warnings.simplefilter("ignore")
-        converted = convert_float_to_float16(onnx.load(str(fp32_onnx)), keep_io_types=True)
+        converted = convert_float_to_float16(onnx.load(str(graph)), keep_io_types=True)
     onnx.save(converted, str(path))
 
 

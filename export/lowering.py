@@ -64,15 +64,6 @@ TARGET_INFO = {
 }
 
 
-def is_portable(path) -> bool:
-    """Whether the ONNX file at ``path`` uses standard ops only (no ONNX Runtime contrib domain), so
-    that TensorRT and every other runtime can load it."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    return all(o.domain in ("", "ai.onnx") for o in proto.opset_import)
-
-
 def _ops():
     from onnxscript import opset18
 

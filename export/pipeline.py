@@ -8,7 +8,6 @@ the bundle is written as a transaction (:mod:`mbert.export.transaction`).
 from __future__ import annotations
 
 import platform
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,7 +30,7 @@ from . import int8_stage
 from .engine import EngineOutcome, engine_stage
 from .device import resolve_device
 from .lowering import TARGET_INFO
-from .onnx import export_targets, graph_opset
+from .onnx import graph_opset, to_onnx
 from .progress import Progress, ProgressFn
 from .reference import ReferenceOutputs
 from .options import ExportOptions
@@ -40,7 +39,6 @@ from .transaction import check_target, transaction
 
 Reporter = Callable[[str, str], None]  # (event, message); events: "stage", "done", "info", "warn", "progress"
 FP32_FILE = "model.onnx"
-SCRATCH = ".scratch"  # files the export needs and the bundle does not (removed before the seal)
 
 
 @dataclass
@@ -60,7 +58,6 @@ class Context:
     reference: ReferenceOutputs | None = None  # the eager FP32 graph on ``device``, outputs cached per case
     device: torch.device = torch.device("cpu")  # where the eager passes run (--device)
     progress: ProgressFn | None = None  # progress records of long stages
-    portable: Path | None = None  # with --fp16: the FP32 graph in standard ops (scratch, not in the bundle)
 
     @property
     def graph(self) -> GraphModule:
@@ -114,8 +111,7 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
             stages.run("mixed precision", fp16_mod.trace_mixed, ctx, plan)
             fp16 = stages.run("validate fp16", fp16_mod.validate_mixed, ctx, scan_report, plan)
             graphs.append(fp16.graph)
-            engine = stages.run("engine", engine_stage, staging, target, ctx.max_len, options, ctx.cases,
-                                ctx.portable)
+            engine = stages.run("engine", engine_stage, staging, target, ctx.max_len, options, ctx.cases)
         int8 = None
         if options.int8:  # independent of --fp16: the CPU path
             sensitivity = stages.run("int8 sensitivity", int8_stage.sensitivity, ctx)
@@ -180,15 +176,9 @@ def load(source: str, options: ExportOptions, target: Path, staging: Path, texts
 
 
 def trace(ctx: Context) -> IO:
-    """One trace, written per target (``mbert.export.lowering``): ``model.onnx`` for ONNX Runtime (fused
-    attention), and with --fp16 the same FP32 graph in standard ops, which the naive FP16 verdicts
-    convert (kept in a scratch folder of the staging folder, removed before the bundle is sealed)."""
-    paths = {"onnxruntime": ctx.staging / FP32_FILE}
-    if ctx.options.fp16:
-        ctx.portable = ctx.staging / SCRATCH / "model.portable.onnx"
-        paths["tensorrt"] = ctx.portable
-    specs = export_targets(ctx.model, paths, pooling=ctx.pooling, opset=ctx.options.opset,
-                           max_seq_len=ctx.max_len, progress=ctx.progress)
+    """``model.onnx``: the FP32 graph in ONNX Runtime's form (fused attention, ``mbert.export.lowering``)."""
+    specs = to_onnx(ctx.model, ctx.staging / FP32_FILE, pooling=ctx.pooling, opset=ctx.options.opset,
+                    max_seq_len=ctx.max_len, target="onnxruntime", progress=ctx.progress)
     return IO(tuple(s for s in specs if s.dtype == "int64"), tuple(s for s in specs if s.dtype != "int64"))
 
 
@@ -215,7 +205,6 @@ def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod
     from .triton import record_of, spec_for, write_triton_repository
 
     cfg, resolved = ctx.model.config, ctx.model.source
-    shutil.rmtree(ctx.staging / SCRATCH, ignore_errors=True)
     copy_side_files(resolved.path, ctx.staging)
     manifest = Manifest(
         format_version=2, name=ctx.target.name, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

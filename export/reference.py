@@ -1,6 +1,6 @@
 """The eager reference outputs that validation compares every artifact with, computed once.
 
-``compare`` (``mbert.export.validate``) calls its ``reference`` for every case; the FP32 graph,
+``compare`` (``mbert.bundle.validation``) calls its ``reference`` for every case; the FP32 graph,
 the FP16 graph and the naive FP16 conversion are all judged against the same eager FP32 outputs,
 so they are computed once per case (on ``--device``) and served from memory afterwards.
 """

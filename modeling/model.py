@@ -290,14 +290,21 @@ class PredictionHead(nn.Module):
         return self.norm(self.act(self.dense(x.to(self.dense.weight.dtype))))
 
 
-class ModernBertForMaskedLM(nn.Module):
-    """``forward -> logits [B, T, V]``; the decoder weight is the token embedding (tied)."""
+class _HeadModel(nn.Module):
+    """The encoder (``model.``) and its prediction head (``head.``): what every head checkpoint has."""
 
     def __init__(self, cfg: ModernBertConfig):
         super().__init__()
         self.config = cfg
         self.model = ModernBertModel(cfg)
         self.head = PredictionHead(cfg)
+
+
+class ModernBertForMaskedLM(_HeadModel):
+    """``forward -> logits [B, T, V]``; the decoder weight is the token embedding (tied)."""
+
+    def __init__(self, cfg: ModernBertConfig):
+        super().__init__(cfg)
         self.decoder = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.decoder_bias)
         if cfg.tie_word_embeddings:
             self.decoder.weight = self.model.embeddings.tok_embeddings.weight
@@ -307,14 +314,11 @@ class ModernBertForMaskedLM(nn.Module):
         return self.decoder(h.to(self.decoder.weight.dtype))  # [B, T, V]
 
 
-class _ClassifierModel(nn.Module):
+class _ClassifierModel(_HeadModel):
     """Encoder, prediction head and a ``classifier`` layer: the two classification checkpoints."""
 
     def __init__(self, cfg: ModernBertConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = ModernBertModel(cfg)
-        self.head = PredictionHead(cfg)
+        super().__init__(cfg)
         self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
 
     def classify(self, x: torch.Tensor) -> torch.Tensor:

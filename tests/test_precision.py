@@ -142,3 +142,35 @@ def test_cli_fp16_prints_scan_and_engine_note(rtx_export):
     assert "model.fp16.onnx" in proc.stdout and "naive fp16" in proc.stdout
     assert "TensorRT engine model.plan: TensorRT-RTX" in proc.stdout
     assert (out / "triton").is_dir()
+
+
+def test_naive_conversion_of_the_mixed_graph_is_the_naive_fp32_conversion(tmp_path):
+    """The export converts the mixed graph naively (its FP32 ``model.onnx`` is in ONNX Runtime's fused
+    form, which TensorRT cannot parse): the converter turns the plan's FP32 islands into FP16 too, so
+    the result has the same operations as the naive conversion of the standard FP32 graph (casts
+    aside) and the same outputs to 2 FP16 ulps, while the FP32 graph itself is farther than that."""
+    import collections
+
+    from mbert.export.fp16 import write_naive_fp16
+    from mbert.export.onnx import to_onnx
+    from mbert.export.precision import LayerPlan, Plan
+
+    model = load_model(make_checkpoint(tmp_path / "ck", seed=5, num_hidden_layers=3, **SMALL))
+    to_onnx(model, tmp_path / "fp32.onnx", max_seq_len=512, target="tensorrt")
+    plan = Plan(8.0, [LayerPlan(i, residual="float32" if i == 1 else "float16", mlp="float32" if i == 1 else "float16")
+                      for i in range(model.config.num_hidden_layers)])
+    to_onnx(to_mixed_precision(model, plan), tmp_path / "mixed.onnx", max_seq_len=512, target="tensorrt")
+    write_naive_fp16(tmp_path / "fp32.onnx", tmp_path / "naive_fp32.onnx")
+    write_naive_fp16(tmp_path / "mixed.onnx", tmp_path / "naive_mixed.onnx")
+
+    def ops(name):
+        return collections.Counter(n.op_type for n in onnx.load(str(tmp_path / name)).graph.node if n.op_type != "Cast")
+
+    assert ops("naive_fp32.onnx") == ops("naive_mixed.onnx")
+    ids, mask = random_batch([300, 17, 120], seed=3)
+    keep = mask.bool().numpy()
+    out = {n: onnx_runner(tmp_path / f"{n}.onnx")(ids.numpy(), mask.numpy())["last_hidden_state"][keep]
+           for n in ("naive_fp32", "naive_mixed", "fp32")}
+    two_ulps = 2 * float(np.spacing(np.float16(np.abs(out["naive_fp32"]).max())))
+    assert np.abs(out["naive_fp32"] - out["naive_mixed"]).max() <= two_ulps
+    assert np.abs(out["naive_fp32"] - out["fp32"]).max() > two_ulps  # the comparison can fail

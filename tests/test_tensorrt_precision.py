@@ -55,9 +55,8 @@ def test_layers_kept_fp32_are_fp32_in_tensorrts_network(walk, graphs):
     assert (mlp1.tensorrt, mlp1.defining_fp32, mlp1.defining_fp16, mlp1.compute_fp16) == ("float32", 2, 0, 0)
     for i in (0, 2):  # FP16 MLPs: both matrix products (Wi, Wo) in FP16
         assert (sites[f"layers.{i}.mlp"].tensorrt, sites[f"layers.{i}.mlp"].defining_fp16) == ("float16", 2)
-    # attention matrix products: Wqkv, Wo and q k^T, p v (per head in the global layer 0)
-    assert sites["layers.0.attention"].defining_fp16 == 2 + 2 * graphs.heads
-    assert sites["layers.1.attention"].defining_fp16 == sites["layers.2.attention"].defining_fp16 == 4
+    # attention matrix products: Wqkv, Wo and q k^T, p v (all heads at once, global and local layers alike)
+    assert all(sites[f"layers.{i}.attention"].defining_fp16 == 4 for i in range(3))
     for i in range(3):  # softmax statistics and RoPE stay FP32 inside FP16 attention
         att = sites[f"layers.{i}.attention"]
         assert att.tensorrt == "float16" and att.compute_fp32 > 0
