@@ -5,7 +5,8 @@ engine size and builder peak memory, FP16 (this project's mixed-precision graph)
 One seeded random full-size ModernBERT-base checkpoint (22 layers, built with the test helper;
 shared with onnx_cpu.py in benchmarks/.cache/), exported once:
 
-  fp32   mbert.export.onnx.to_onnx(load_model(folder), max_seq_len=8192)          (model.onnx)
+  fp32   mbert.export.onnx.to_onnx(load_model(folder), max_seq_len=8192)    (the standard-ops form,
+         target "tensorrt": the bundle's model.onnx is ONNX Runtime's fused form, TensorRT cannot parse it)
   fp16   scan -> plan -> to_mixed_precision -> to_onnx, as the pipeline does   (model.fp16.onnx)
 
 Every build runs in a fresh subprocess that imports TensorRT-RTX, parses the graph, builds it with
