@@ -61,7 +61,8 @@ def validate_mixed(ctx: "Context", report: ScanReport, plan: Plan) -> Fp16Outcom
     ours.raise_if_failed()
     record = PrecisionRecord(
         plan="precision.json", plot="precision.png", margin=plan.margin, fp32_layers=tuple(plan.fp32_layers()),
-        decisions=tuple(f"layer {d.layer}: {d.site} {d.max_abs:.4g} -> {d.precision}" for d in plan.decisions),
+        decisions=tuple(f"{'model' if d.layer is None else f'layer {d.layer}'}: {d.site} {d.max_abs:.4g} -> "
+                        f"{d.precision}" for d in plan.decisions),
         max_abs_seen=max(s.max_abs for s in report.stats), per_layer_kind=kinds,
         naive_fp16=naive, naive_fp16_error=naive_error)
     graph = GraphRecord(FP16_FILE, "fp16", TARGET_INFO["tensorrt"].runtimes, graph_opset(ctx.staging / FP16_FILE),
