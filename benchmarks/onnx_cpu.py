@@ -10,14 +10,12 @@ these systems side by side (one trace of ``load_model(folder)`` with ``max_seq_l
                here with a benchmark-only lowering of the same attention op, for "no slower than today")
   hf-onnx      transformers' AutoModel (eager attention) through torch.onnx.export, as a user would:
                dynamo=True with dynamic batch/sequence first, dynamo=False + dynamic_axes if that fails
-  hf-sdpa      transformers in PyTorch, attn_implementation="sdpa"
-  hf-eager     transformers in PyTorch, attn_implementation="eager" (not run unless asked for)
+  hf-sdpa      transformers in PyTorch, attn_implementation="sdpa" (hf-eager: "eager", run only when asked for)
 
 Every (system, shape) runs in a fresh subprocess that loads only what that system needs, so peak
 RSS (ru_maxrss) is per system and shape; the increase over the RSS after loading is reported too.
-Quadratic-memory systems are skipped when their estimated footprint exceeds MemAvailable, and a
-child killed by the OOM killer is reported as such. Checkpoint and ONNX files are cached in
-benchmarks/.cache/ (git-ignored).
+Quadratic-memory systems are skipped when their estimated footprint exceeds MemAvailable; an OOM-killed
+child is reported as such. Checkpoint and ONNX files are cached in benchmarks/.cache/ (git-ignored).
 
     python benchmarks/onnx_cpu.py                      # full run: 4x512, 1x2048, 1x8192
     python benchmarks/onnx_cpu.py --quick --out /tmp/x # smoke test: 2x128, 1x512, one timed run
@@ -466,10 +464,8 @@ def main() -> None:
     if args.export:
         return export_child(args.export, args.cache, args.small)
 
-    shapes = (args.shapes or (QUICK_SHAPES if args.quick else FULL_SHAPES)).split(",")
-    systems = args.systems.split(",")
-    if args.quick and args.repeats is None:
-        args.repeats = 1
+    shapes, systems = (args.shapes or (QUICK_SHAPES if args.quick else FULL_SHAPES)).split(","), args.systems.split(",")
+    args.repeats = 1 if args.quick and args.repeats is None else args.repeats
     if set(systems) - set(SYSTEMS):
         ap.error(f"unknown systems {sorted(set(systems) - set(SYSTEMS))}; choose from {', '.join(SYSTEMS)}")
     meta = prepare(args, [args.profile_system] if args.profile else systems)

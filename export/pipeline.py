@@ -55,7 +55,7 @@ class Context:
     max_len: int
     texts: list[str]  # built-in texts plus the user's calibration file
     cases: list[Case] = field(default_factory=list)  # the validation grid on real text
-    reference: ReferenceOutputs | None = None  # the eager FP32 graph on ``device``, outputs cached per case
+    reference: ReferenceOutputs | None = None  # set by the validate stage: eager FP32 outputs, cached per case
     device: torch.device = torch.device("cpu")  # where the eager passes run (--device)
     progress: ProgressFn | None = None  # progress records of long stages
 
@@ -171,7 +171,6 @@ def load(source: str, options: ExportOptions, target: Path, staging: Path, texts
     ctx = Context(source, options, target, staging, model, pooling, tokenizer, max_len, texts)
     ctx.cases = build_cases(tokenizer, texts, default_grid(cfg.window_half_width, max_len),
                             cfg.cls_token_id, cfg.sep_token_id, cfg.pad_token_id)
-    ctx.reference = ReferenceOutputs(ctx.graph, device=_device(options))
     return ctx
 
 
@@ -191,7 +190,8 @@ def validate_graph(ctx: Context, file: str, precision: str) -> ValidationReport:
 
 
 def validate(ctx: Context) -> GraphRecord:
-    ctx.reference.precompute(ctx.cases, ctx.progress)  # the eager outputs every graph is compared with
+    # the eager outputs every graph is compared with, computed once on --device
+    ctx.reference = ReferenceOutputs(ctx.graph, device=ctx.device).precompute(ctx.cases, ctx.progress)
     report = validate_graph(ctx, FP32_FILE, "fp32")
     return GraphRecord(FP32_FILE, "fp32", TARGET_INFO["onnxruntime"].runtimes, graph_opset(ctx.staging / FP32_FILE),
                        report)
