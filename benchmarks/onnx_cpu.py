@@ -9,8 +9,15 @@ these systems side by side (one trace of ``load_model(folder)`` with ``max_seq_l
   ours-before  the graph before issue 11: standard ops, global layers one head at a time (rebuilt
                here with a benchmark-only lowering of the same attention op, for "no slower than today")
   hf-onnx      transformers' AutoModel (eager attention) through torch.onnx.export, as a user would:
-               dynamo=True with dynamic batch/sequence first, dynamo=False + dynamic_axes if that fails
+               dynamo=True with dynamic batch/sequence first, dynamo=False + dynamic_axes if that fails;
+               run with ONNX Runtime's default session options, as a user would
+  hf-onnx-same the same graph with this project's session options (``mbert.runtime.backends.session_options``:
+               memory-pattern planning off), so that the session options are not what the ratio measures
   hf-sdpa      transformers in PyTorch, attn_implementation="sdpa" (hf-eager: "eager", run only when asked for)
+
+Sessions: ours-ort and ours-trt run with the project's session options (what the runtime and the
+export's validation open), ours-before and hf-onnx with ONNX Runtime's defaults (what was run before
+issue 11, and what a user of transformers' export runs), hf-onnx-same with the project's.
 
 Every (system, shape) runs in a fresh subprocess that loads only what that system needs, so peak
 RSS (ru_maxrss) is per system and shape; the increase over the RSS after loading is reported too.
@@ -19,7 +26,7 @@ child is reported as such. Checkpoint and ONNX files are cached in benchmarks/.c
 
     python benchmarks/onnx_cpu.py                      # full run: 4x512, 1x2048, 1x8192
     python benchmarks/onnx_cpu.py --quick --out /tmp/x # smoke test: 2x128, 1x512, one timed run
-    python benchmarks/onnx_cpu.py --profile 1x2048     # ORT profiler on ours-ort: top op types
+    python benchmarks/ort_profile.py 1x8192            # ORT's profiler on ours-ort (after a run built the cache)
 """
 from __future__ import annotations
 
@@ -39,12 +46,14 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("ours-ort", "ours-trt", "ours-before", "hf-onnx", "hf-sdpa", "hf-eager")
+SYSTEMS = ("ours-ort", "ours-trt", "ours-before", "hf-onnx", "hf-onnx-same", "hf-sdpa", "hf-eager")
 DEFAULT_SYSTEMS = SYSTEMS[:-1]
 OURS = ("ours-ort", "ours-trt", "ours-before")  # the graphs one export writes (ours-ort is "ours")
-ORT_SYSTEMS = OURS + ("hf-onnx",)
+ORT_SYSTEMS = OURS + ("hf-onnx", "hf-onnx-same")
+PROJECT_OPTIONS = ("ours-ort", "ours-trt", "hf-onnx-same")  # run with mbert.runtime.backends.session_options
 LABELS = {"ours-ort": "mbert ONNX, ORT form (fused attention)", "ours-trt": "mbert ONNX, TensorRT form (on ORT)",
-          "ours-before": "mbert ONNX before issue 11 (per head)", "hf-onnx": "transformers ONNX (ORT)",
+          "ours-before": "mbert ONNX before issue 11 (per head)", "hf-onnx": "transformers ONNX (ORT, default options)",
+          "hf-onnx-same": "transformers ONNX (ORT, our options)",
           "hf-eager": "transformers eager (torch)", "hf-sdpa": "transformers sdpa (torch)"}
 FULL_SHAPES, QUICK_SHAPES = "4x512,1x2048,1x8192", "2x128,1x512"
 # (shape, description, kind, other system, bound): speed = other latency / ours latency >= bound,
@@ -52,20 +61,23 @@ FULL_SHAPES, QUICK_SHAPES = "4x512,1x2048,1x8192", "2x128,1x512"
 TARGETS = [  # issue 11
     ("1x8192", "ours vs transformers-ONNX speed", "speed", "hf-onnx", 3.0),
     ("1x8192", "ours / transformers-ONNX peak RSS", "rss", "hf-onnx", 0.125),
+    ("1x8192", "ours vs transformers-ONNX speed, same session options", "speed", "hf-onnx-same", 3.0),
+    ("1x8192", "ours / transformers-ONNX peak RSS, same session options", "rss", "hf-onnx-same", 0.125),
     ("4x512", "ours vs ours before issue 11 (no slower)", "speed", "ours-before", 1.0),
     ("1x2048", "ours vs ours before issue 11 (no slower)", "speed", "ours-before", 1.0),
 ]
 # Live [B, H, T, T] fp32 score-sized tensors at peak: transformers' ONNX measured 17 GB at 1 x 8192
 # (~5 copies + weights), eager ~4 copies; the TensorRT form on ORT keeps ~3 (MatMul, Add, Softmax).
 # The others are linear in T (fused, or one head at a time): no guard.
-SCORE_COPIES = {"hf-onnx": 5, "hf-eager": 4, "ours-trt": 3}
+SCORE_COPIES = {"hf-onnx": 5, "hf-onnx-same": 5, "hf-eager": 4, "ours-trt": 3}
 
 
 def paths(cache: Path) -> dict[str, Path]:
     ours = cache / "onnx-ours-v2"
     return {"ckpt": cache / "modernbert-base-random", "ours-ort": ours / "model.ort.onnx",
             "ours-trt": ours / "model.trt.onnx", "ours-before": ours / "model.before.onnx",
-            "ours": ours / "model.ort.onnx", "hf-onnx": cache / "onnx-hf" / "model.onnx"}
+            "ours": ours / "model.ort.onnx", "hf-onnx": cache / "onnx-hf" / "model.onnx",
+            "hf-onnx-same": cache / "onnx-hf" / "model.onnx"}
 
 
 def proc_kb(file: str, key: str) -> int | None:
@@ -94,8 +106,14 @@ def child(system: str, B: int, T: int, repeats: int, threads: int, seed: int, ca
     if system in ORT_SYSTEMS:
         import onnxruntime as ort
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+        if system in PROJECT_OPTIONS:
+            from mbert.runtime.backends import session_options
+
+            so = session_options(threads)
+        else:
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
         sess = ort.InferenceSession(str(p[system]), so, providers=["CPUExecutionProvider"])
         feeds = dict(zip([i.name for i in sess.get_inputs()], (ids, mask)))
 
@@ -260,7 +278,8 @@ def prepare(args, systems: list[str]) -> dict:
     # the last file each build writes marks it finished (make_checkpoint copies the tokenizer files last)
     todo = [("checkpoint", p["ckpt"] / "special_tokens_map.json")]
     todo += [(s, p[s].parent / "export.json") for s in ("ours", "hf-onnx")
-             if s in systems or (s == "ours" and set(OURS) & set(systems))]
+             if s in systems or (s == "ours" and set(OURS) & set(systems))
+             or (s == "hf-onnx" and "hf-onnx-same" in systems)]
     meta = {}
     for what, target in todo:
         if not target.exists():
@@ -278,7 +297,7 @@ def prepare(args, systems: list[str]) -> dict:
 
 
 def run_one(args, system: str, B: int, T: int, repeats: int, cfg: dict, meta: dict) -> dict:
-    built = "ours" if system in OURS else system
+    built = "ours" if system in OURS else "hf-onnx" if system == "hf-onnx-same" else system
     if "error" in meta.get(built, {}):
         return {"status": "failed", "reason": meta[built]["error"]}
     need = estimate_gib(system, B, T, cfg, args.weights_bytes)
@@ -339,7 +358,7 @@ def report(args, shapes, systems, res: dict, meta: dict) -> list[str]:
          f"- machine: {machine()}",
          f"- versions: {', '.join(f'{k} {v}' for k, v in versions().items())}",
          f"- threads: ORT intra-op = {ort_threads} (inter-op 1), torch.get_num_threads() = {torch_threads}",
-         f"- transformers' ONNX export: {'not built' if 'hf-onnx' not in systems else hf_line}",
+         f"- transformers' ONNX export: {hf_line if {'hf-onnx', 'hf-onnx-same'} & set(systems) else 'not built'}",
          f"- timing: one warm-up run, then the median of N timed runs; inputs: random ids (seed {args.seed}), "
          "full attention mask",
          "- peak RSS: ru_maxrss of a fresh process per system and shape; increase: peak during the runs "
@@ -405,37 +424,6 @@ def plot(shapes, systems, res: dict, png: Path) -> None:
     fig.savefig(png, dpi=120)
 
 
-def profile(args, shape: str) -> None:
-    """ORT's profiler on one of our graphs at one shape: time per op type, summed over Node events."""
-    import numpy as np
-    import onnxruntime as ort
-
-    B, T = map(int, shape.split("x"))
-    p = paths(args.cache)
-    cfg = json.loads((p["ckpt"] / "config.json").read_text())
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads = args.threads, 1
-    so.enable_profiling = True
-    so.profile_file_prefix = str(args.cache / f"ort_profile_{args.profile_system}_{shape}")
-    sess = ort.InferenceSession(str(p[args.profile_system]), so, providers=["CPUExecutionProvider"])
-    ids = np.random.default_rng(args.seed).integers(0, cfg["vocab_size"], (B, T), dtype=np.int64)
-    feeds = dict(zip([i.name for i in sess.get_inputs()], (ids, np.ones_like(ids))))
-    runs = 1 + (args.repeats or 1)
-    for _ in range(runs):
-        sess.run(None, feeds)
-    trace = Path(sess.end_profiling())
-    totals: dict[str, int] = {}
-    for ev in json.loads(trace.read_text()):
-        if ev.get("cat") == "Node" and "op_name" in ev.get("args", {}):
-            totals[ev["args"]["op_name"]] = totals.get(ev["args"]["op_name"], 0) + ev.get("dur", 0)
-    total = sum(totals.values()) or 1
-    print(f"ORT profile of {args.profile_system} at {shape}, {runs} runs (incl. warm-up), {args.threads} threads; trace: {trace}")
-    print(f"{'op type':<28}{'ms/run':>10}{'share':>8}")
-    for op, dur in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
-        print(f"{op:<28}{dur / 1e3 / runs:>10.1f}{100 * dur / total:>7.1f}%")
-    print(f"{'all nodes':<28}{total / 1e3 / runs:>10.1f}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None, help=f"BxT list (default {FULL_SHAPES})")
@@ -451,9 +439,6 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per (system, shape) child")
     ap.add_argument("--mem-limit-gb", type=float, help="pretend only this many GiB are free (tests the skip path)")
-    ap.add_argument("--profile", nargs="?", const="1x2048", metavar="BxT",
-                    help="only run ORT's profiler on one of our graphs at this shape (default 1x2048)")
-    ap.add_argument("--profile-system", default="ours-ort", choices=OURS, help="the graph --profile runs")
     ap.add_argument("--child", nargs=3, metavar=("SYSTEM", "B", "T"), help=argparse.SUPPRESS)
     ap.add_argument("--export", choices=("checkpoint", "ours", "hf-onnx"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -468,9 +453,7 @@ def main() -> None:
     args.repeats = 1 if args.quick and args.repeats is None else args.repeats
     if set(systems) - set(SYSTEMS):
         ap.error(f"unknown systems {sorted(set(systems) - set(SYSTEMS))}; choose from {', '.join(SYSTEMS)}")
-    meta = prepare(args, [args.profile_system] if args.profile else systems)
-    if args.profile:
-        return profile(args, args.profile)
+    meta = prepare(args, systems)
     p = paths(args.cache)
     cfg = json.loads((p["ckpt"] / "config.json").read_text())
     args.weights_bytes = sum(f.stat().st_size for f in p["ckpt"].glob("*.safetensors"))

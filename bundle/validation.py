@@ -175,8 +175,10 @@ def build_cases(tokenizer, texts: Sequence[str], grid, cls_id: int | None, sep_i
 
 
 def compare(artifact: str, run: Runner, reference: Runner, cases: Sequence[Case],
-            tolerances: dict[str, Tolerance]) -> ValidationReport:
-    """Run ``run`` and ``reference`` on every case; judge each output by its stated tolerance."""
+            tolerances: dict[str, Tolerance],
+            on_case: Callable[[Case], None] | None = None) -> ValidationReport:
+    """Run ``run`` and ``reference`` on every case; judge each output by its stated tolerance.
+    ``on_case`` (progress) is called with each case once it has been judged."""
     stats: dict[str, dict] = {}
     for case in cases:
         got, want = run(case.input_ids, case.attention_mask), reference(case.input_ids, case.attention_mask)
@@ -201,6 +203,8 @@ def compare(artifact: str, run: Runner, reference: Runner, cases: Sequence[Case]
             if s["finite"] and (err > s["err"] or cos < s["cos"]):
                 s["worst"] = case.describe()
             s["err"], s["cos"] = max(s["err"], err), min(s["cos"], cos)
+        if on_case is not None:
+            on_case(case)
     outputs = tuple(
         OutputResult(name, s["err"] if s["finite"] else None, s["cos"] if s["finite"] else None,
                      s["worst"] or cases[0].describe(), s["finite"], tolerances[name], s["ok"])

@@ -17,6 +17,7 @@ from mbert.modeling.model import encoder_of
 
 from .lowering import TARGET_INFO
 from .onnx import graph_opset, to_onnx
+from .progress import ProgressFn, case_progress
 from .precision import Plan, ScanReport, plan as make_plan, save_precision, scan, scan_batches, to_mixed_precision
 from .runners import onnx_runner
 
@@ -24,6 +25,14 @@ if TYPE_CHECKING:
     from .pipeline import Context
 
 FP16_FILE = "model.fp16.onnx"
+
+
+@dataclass(frozen=True)
+class MixedStarted:
+    """The mixed-precision stage's outcome: its trace runs in the background; the per-layer-kind
+    error of the mixed eager model was measured meanwhile."""
+
+    per_layer_kind: dict[str, LayerKindError]
 
 
 @dataclass(frozen=True)
@@ -40,21 +49,34 @@ def scan_and_plan(ctx: "Context") -> tuple[ScanReport, Plan]:
     return report, make_plan(report, ctx.options.margin)
 
 
-def trace_mixed(ctx: "Context", plan: Plan) -> None:
-    to_onnx(to_mixed_precision(ctx.model, plan), ctx.staging / FP16_FILE, pooling=ctx.pooling,
-            opset=ctx.options.opset, max_seq_len=ctx.max_len, target="tensorrt", progress=ctx.progress)
+def trace_mixed(ctx: "Context", plan: Plan) -> MixedStarted:
+    """Start tracing ``model.fp16.onnx`` (TensorRT's form) in the background, once the FP32 trace is
+    done (one trace at a time; :func:`validate_mixed` collects it), and meanwhile measure the mixed
+    eager model's error per layer kind (eager work for the core the trace leaves free)."""
+    ctx.jobs.collect("trace")
+    ctx.jobs.start("mixed precision", _trace_mixed, ctx.model, plan, ctx.staging / FP16_FILE, pooling=ctx.pooling,
+                   opset=ctx.options.opset, max_seq_len=ctx.max_len)
+    short = [c for c in ctx.cases if c.input_ids.shape[1] <= 512]
+    return MixedStarted(per_layer_kind(ctx.model, to_mixed_precision(ctx.model, plan), short, ctx.progress))
 
 
-def validate_mixed(ctx: "Context", report: ScanReport, plan: Plan) -> Fp16Outcome:
+def _trace_mixed(model, plan: Plan, path: Path, **kwargs):
+    return to_onnx(to_mixed_precision(model, plan), path, target="tensorrt", **kwargs)
+
+
+def validate_mixed(ctx: "Context", report: ScanReport, plan: Plan, started: MixedStarted) -> Fp16Outcome:
     """The mixed graph against the eager FP32 model (gating), the naive conversion (reported), the
     per-layer-kind error of the mixed eager model; precision.json and precision.png written."""
     from .plot import plot_scan
 
+    kinds = started.per_layer_kind
+    ctx.jobs.collect("mixed precision")
     tolerances = tolerances_for("fp16", ctx.graph.output_names)
-    ours = compare(FP16_FILE, onnx_runner(ctx.staging / FP16_FILE), ctx.reference, ctx.cases, tolerances)
-    naive, naive_error = naive_report(ctx.staging / FP16_FILE, ctx.reference, ctx.cases, tolerances)
-    short = [c for c in ctx.cases if c.input_ids.shape[1] <= 512]
-    kinds = per_layer_kind(ctx.model, to_mixed_precision(ctx.model, plan), short)
+    config = ctx.model.config
+    ours = compare(FP16_FILE, onnx_runner(ctx.staging / FP16_FILE), ctx.reference, ctx.cases, tolerances,
+                   case_progress("validate fp16", config, ctx.cases, ctx.progress))
+    naive, naive_error = naive_report(ctx.staging / FP16_FILE, ctx.reference, ctx.cases, tolerances,
+                                      case_progress("naive fp16", config, ctx.cases, ctx.progress))
     save_precision(ctx.staging / "precision.json", report, plan,
                    to_json({"ours": ours, "naive_fp16": naive, "naive_fp16_error": naive_error, "per_layer_kind": kinds}))
     plot_scan(report, plan, ctx.staging / "precision.png")
@@ -70,7 +92,7 @@ def validate_mixed(ctx: "Context", report: ScanReport, plan: Plan) -> Fp16Outcom
     return Fp16Outcome(graph, record, report, plan)
 
 
-def naive_report(graph: Path, reference, cases, tolerances) -> tuple[ValidationReport | None, str | None]:
+def naive_report(graph: Path, reference, cases, tolerances, on_case=None) -> tuple[ValidationReport | None, str | None]:
     """The same validation on the naive all-FP16 graph (:func:`write_naive_fp16` of ``graph``), what a
     user would otherwise run. Shown beside ours, never gating; (report, None), or (None, why) when
     the naive graph does not even run."""
@@ -79,7 +101,7 @@ def naive_report(graph: Path, reference, cases, tolerances) -> tuple[ValidationR
         try:
             write_naive_fp16(graph, path)
             return compare("naive fp16 (onnxruntime float16 converter)", onnx_runner(path), reference, cases,
-                           tolerances), None
+                           tolerances, on_case), None
         except Exception as exc:  # noqa: BLE001 - the naive path failing is a finding, not an export error
             return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
@@ -102,11 +124,12 @@ def write_naive_fp16(graph: Path, path: Path) -> None:
 
 
 @torch.no_grad()
-def per_layer_kind(model, mixed, cases: list[Case]) -> dict[str, LayerKindError]:
+def per_layer_kind(model, mixed, cases: list[Case], progress: ProgressFn | None = None) -> dict[str, LayerKindError]:
     """Worst per-token cosine and max abs error of each layer's output (mixed eager vs FP32 eager),
     grouped by layer kind (global / local); None where the mixed output was not finite."""
     enc, menc = encoder_of(model), encoder_of(mixed)
     worst = {"global": [1.0, 0.0], "local": [1.0, 0.0]}
+    on_case = case_progress("per-layer error", model.config, cases, progress)
     for case in cases:
         ids, mask = torch.from_numpy(case.input_ids), torch.from_numpy(case.attention_mask)
         outs = {}
@@ -129,4 +152,6 @@ def per_layer_kind(model, mixed, cases: list[Case]) -> dict[str, LayerKindError]
                 continue
             cos = float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
             worst[kind] = [min(worst[kind][0], cos), max(worst[kind][1], float((a - b).abs().max()))]
+        if on_case is not None:
+            on_case(case)
     return {k: LayerKindError(*v) for k, v in worst.items()}

@@ -1,9 +1,15 @@
-"""The export pipeline: load, trace, validate, [scan, mixed precision, validate FP16, engine],
+"""The export pipeline: load, trace, [scan, mixed precision], validate, [validate FP16, engine],
 [INT8 sensitivity, plan, blind], write.
 
 :func:`export_bundle` reads as its stages in order. Each stage is a function of one
 :class:`Context`, built by the load stage from options that were checked before any work started;
 the bundle is written as a transaction (:mod:`mbert.export.transaction`).
+
+The two traces (single-threaded) run in a child process (:mod:`mbert.export.background`) while the
+parent does eager work on the other cores: the FP32 trace beside the scan (or, without ``--fp16``,
+beside the reference outputs), the mixed-precision trace beside the FP32 graph's validation. So the
+``trace`` and ``mixed precision`` stages start a job, and the stage that needs its file waits for
+it; a "background" report gives each job's own time.
 """
 from __future__ import annotations
 
@@ -27,17 +33,20 @@ from mbert.modeling.tokenizer import check_token_ids, load_tokenizer
 
 from . import fp16 as fp16_mod
 from . import int8_stage
+from .background import Jobs
 from .engine import EngineOutcome, engine_stage
 from .device import resolve_device
 from .lowering import TARGET_INFO
 from .onnx import graph_opset, to_onnx
-from .progress import Progress, ProgressFn
+from .progress import Progress, ProgressFn, case_progress
 from .reference import ReferenceOutputs
 from .options import ExportOptions
 from .runners import onnx_runner
 from .transaction import check_target, transaction
 
-Reporter = Callable[[str, str], None]  # (event, message); events: "stage", "done", "info", "warn", "progress"
+# (event, message); events: "stage", "done", "started" (a stage that started a background job),
+# "background" ("NAME: WALL s wall, CPU s CPU": that job's own times, once collected), "info", "warn", "progress"
+Reporter = Callable[[str, str], None]
 FP32_FILE = "model.onnx"
 
 
@@ -58,6 +67,7 @@ class Context:
     reference: ReferenceOutputs | None = None  # set by the validate stage: eager FP32 outputs, cached per case
     device: torch.device = torch.device("cpu")  # where the eager passes run (--device)
     progress: ProgressFn | None = None  # progress records of long stages
+    jobs: Jobs | None = None  # the traces running in a child process (set by export_bundle)
 
     @property
     def graph(self) -> GraphModule:
@@ -78,13 +88,14 @@ class _Stages:
     def __init__(self, report: Reporter, total: int):
         self.report, self.total, self.n, self.timings = report, total, 0, {}
 
-    def run(self, name: str, fn, *args):
+    def run(self, name: str, fn, *args, background: bool = False):
+        """``fn(*args)`` as the next stage; ``background``: it starts a job, reported as "started"."""
         self.n += 1
         self.report("stage", f"[{self.n}/{self.total}] {name}")
         t0 = time.perf_counter()
         result = fn(*args)
         self.timings[name] = time.perf_counter() - t0
-        self.report("done", f"{name}: {self.timings[name]:.1f}s")
+        self.report("started" if background else "done", f"{name}: {self.timings[name]:.1f}s")
         return result
 
 
@@ -97,19 +108,22 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
     check_target(target, options.overwrite)
     texts = calibration_texts() + (load_text_file(options.calibration) if options.calibration else [])
     stages = _Stages(report, 4 + (4 if options.fp16 else 0) + (3 if options.int8 else 0))
-    with transaction(target, options.overwrite, lambda m: report("info", m)) as staging:
+    with transaction(target, options.overwrite, lambda m: report("info", m)) as staging, Jobs(report) as jobs:
         ctx = stages.run("load", load, str(source), options, target, staging, texts)
-        ctx.device, ctx.progress = device, _throttled(report)
+        ctx.device, ctx.jobs, ctx.progress = device, jobs, _progress(report, jobs)
         if is_random(ctx.model.source.path):
             report("warn", f"{source} has RANDOM weights (written by --random-checkpoint): fine for trying the tool, "
                            "meaningless as a model")
-        io = stages.run("trace", trace, ctx)
-        graphs = [stages.run("validate", validate, ctx)]
-        fp16 = engine = None
+        stages.run("trace", trace, ctx, background=True)  # collected by validate
+        fp16 = engine = plan = scan_report = mixed = None
         if options.fp16:
             scan_report, plan = stages.run("scan", fp16_mod.scan_and_plan, ctx)
-            stages.run("mixed precision", fp16_mod.trace_mixed, ctx, plan)
-            fp16 = stages.run("validate fp16", fp16_mod.validate_mixed, ctx, scan_report, plan)
+            # in the background beside validate; collected by validate fp16
+            mixed = stages.run("mixed precision", fp16_mod.trace_mixed, ctx, plan, background=True)
+        io, fp32_graph = stages.run("validate", validate, ctx)
+        graphs = [fp32_graph]
+        if options.fp16:
+            fp16 = stages.run("validate fp16", fp16_mod.validate_mixed, ctx, scan_report, plan, mixed)
             graphs.append(fp16.graph)
             engine = stages.run("engine", engine_stage, staging, target, ctx.max_len, options, ctx.cases)
         int8 = None
@@ -147,11 +161,25 @@ def _throttled(report: Reporter, every_s: float = 5.0) -> ProgressFn:
     last: dict[str, float] = {}
 
     def show(p: Progress) -> None:
+        if p.elapsed_s < last.get(p.stage, 0.0):  # the same stage name again (the second trace)
+            last[p.stage] = 0.0
         if p.elapsed_s >= every_s and p.elapsed_s - last.get(p.stage, 0.0) >= every_s:
             last[p.stage] = p.elapsed_s
             report("progress", p.line())
 
     return show
+
+
+def _progress(report: Reporter, jobs: Jobs) -> ProgressFn:
+    """The stages' progress callback. Called between the parent's units of work, it also forwards
+    the background jobs' records and gives the parent its threads back once a job is done."""
+    show = jobs.progress = _throttled(report)  # the jobs' own records go straight to the throttle
+
+    def progress(p: Progress) -> None:
+        jobs.poll()
+        show(p)
+
+    return progress
 
 
 def load(source: str, options: ExportOptions, target: Path, staging: Path, texts: list[str]) -> Context:
@@ -174,27 +202,31 @@ def load(source: str, options: ExportOptions, target: Path, staging: Path, texts
     return ctx
 
 
-def trace(ctx: Context) -> IO:
-    """``model.onnx``: the FP32 graph in ONNX Runtime's form (fused attention, ``mbert.export.lowering``)."""
-    specs = to_onnx(ctx.model, ctx.staging / FP32_FILE, pooling=ctx.pooling, opset=ctx.options.opset,
-                    max_seq_len=ctx.max_len, target="onnxruntime", progress=ctx.progress)
-    return IO(tuple(s for s in specs if s.dtype == "int64"), tuple(s for s in specs if s.dtype != "int64"))
+def trace(ctx: Context) -> None:
+    """Start tracing ``model.onnx`` in the background: the FP32 graph in ONNX Runtime's form (fused
+    attention, ``mbert.export.lowering``). :func:`validate` collects it."""
+    ctx.jobs.start("trace", to_onnx, ctx.model, ctx.staging / FP32_FILE, pooling=ctx.pooling,
+                   opset=ctx.options.opset, max_seq_len=ctx.max_len, target="onnxruntime")
 
 
-def validate_graph(ctx: Context, file: str, precision: str) -> ValidationReport:
+def validate_graph(ctx: Context, file: str, precision: str, stage: str) -> ValidationReport:
     """``file`` of the staging folder on ONNX Runtime against the eager FP32 model, on the grid."""
-    report = compare(file, onnx_runner(ctx.staging / file), ctx.reference, ctx.cases,
-                     tolerances_for(precision, ctx.graph.output_names))
+    run = onnx_runner(ctx.staging / file, threads=ctx.jobs.cpu_threads() if ctx.jobs else None)
+    report = compare(file, run, ctx.reference, ctx.cases, tolerances_for(precision, ctx.graph.output_names),
+                     case_progress(stage, ctx.model.config, ctx.cases, ctx.progress))
     report.raise_if_failed()
     return report
 
 
-def validate(ctx: Context) -> GraphRecord:
-    # the eager outputs every graph is compared with, computed once on --device
+def validate(ctx: Context) -> tuple[IO, GraphRecord]:
+    """The eager reference outputs (on --device, while a trace may still run), then ``model.onnx``
+    (waiting for its trace) against them."""
     ctx.reference = ReferenceOutputs(ctx.graph, device=ctx.device).precompute(ctx.cases, ctx.progress)
-    report = validate_graph(ctx, FP32_FILE, "fp32")
-    return GraphRecord(FP32_FILE, "fp32", TARGET_INFO["onnxruntime"].runtimes, graph_opset(ctx.staging / FP32_FILE),
-                       report)
+    specs = ctx.jobs.collect("trace")
+    io = IO(tuple(s for s in specs if s.dtype == "int64"), tuple(s for s in specs if s.dtype != "int64"))
+    report = validate_graph(ctx, FP32_FILE, "fp32", "validate")
+    return io, GraphRecord(FP32_FILE, "fp32", TARGET_INFO["onnxruntime"].runtimes,
+                           graph_opset(ctx.staging / FP32_FILE), report)
 
 
 def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod.Fp16Outcome | None,

@@ -63,3 +63,19 @@ def forward_flops(config, length: int, batch: int = 1) -> float:
     matrices = 2 * n * (4 * d * d + 3 * d * inter)
     attention = 4 * d * (n_global * length + (n - n_global) * 3 * config.window_half_width)
     return float(batch * length * (matrices + attention))
+
+
+def case_progress(stage: str, config, cases, progress: Optional[ProgressFn]):
+    """``on_case`` for ``mbert.bundle.validation.compare``: progress per judged case, weighted by
+    the case's forward FLOPs (so the heavily padded and long cases move the ETA as they cost)."""
+    if progress is None:
+        return None
+    costs = {id(c): forward_flops(config, c.input_ids.shape[1], c.input_ids.shape[0]) for c in cases}
+    meter = Meter(stage, sum(costs.values()), progress)
+    judged = []
+
+    def on_case(case) -> None:
+        judged.append(case)
+        meter.advance(costs.get(id(case), 0.0), f"case {len(judged)}/{len(cases)} ({case.name})")
+
+    return on_case

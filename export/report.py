@@ -17,6 +17,10 @@ def echo(event: str, message: str) -> None:
         click.echo(click.style(message, bold=True) + " ...", err=True)
     elif event == "done":
         click.echo(f"    done in {message.split(': ')[-1]}", err=True)
+    elif event == "started":
+        click.echo("    running in the background", err=True)
+    elif event == "background":
+        click.echo(f"    {message.replace(': ', ' done in the background: ', 1)}", err=True)
     elif event == "progress":
         click.echo(f"    {message}", err=True)
     else:

@@ -13,10 +13,9 @@ def onnx_runner(path: Path, providers: Sequence[str] = ("CPUExecutionProvider",)
     """``path`` on ONNX Runtime."""
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(path), opts, providers=list(providers))
+    from mbert.runtime.backends import session_options
+
+    session = ort.InferenceSession(str(path), session_options(threads), providers=list(providers))
     names = [o.name for o in session.get_outputs()]
 
     def run(ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
