@@ -47,8 +47,8 @@ class EngineOutcome:
 
 
 def engine_stage(staging: Path, target: Path, max_len: int, options: ExportOptions,
-                 cases: Sequence[Case]) -> EngineOutcome:
-    """Build and check the plan in ``staging`` (the bundle will be ``target``)."""
+                 cases: Sequence[Case], say: Callable[[str], None] = lambda message: None) -> EngineOutcome:
+    """Build and check the plan in ``staging`` (the bundle will be ``target``); ``say`` reports each step."""
     later = f"build it later from this bundle with: mbert-export --engine-only {target}"
     if options.engine == "none":
         return EngineOutcome(None, None, f"no TensorRT engine (--engine none); {later}")
@@ -58,7 +58,7 @@ def engine_stage(staging: Path, target: Path, max_len: int, options: ExportOptio
         if options.family != "auto":
             raise
         return EngineOutcome(None, None, f"no TensorRT engine: {exc}; {later}")
-    return build_in(staging, found, options, max_len, cases, target.parent / TIMING_CACHE)
+    return build_in(staging, found, options, max_len, cases, target.parent / TIMING_CACHE, say)
 
 
 def chosen(found: Availability, options: ExportOptions) -> str:
@@ -86,6 +86,7 @@ def build_in(folder: Path, found: Availability, options: ExportOptions, max_len:
     profiles = profiles_from(options.max_batch, max_len, options.opt_batch, options.opt_seq_len, options.split_seq)
     _, plan = load_precision(folder / "precision.json")
     parsed = parse_onnx(folder / FP16_FILE, found.family)
+    say(f"parsed {FP16_FILE}; building {PLAN_FILE} with {found} ({len(profiles)} optimization profiles)")
     datacenter = found.family == "tensorrt"
     built = build_parsed(parsed, folder / FP16_FILE, folder / PLAN_FILE, profiles,
                          compute_capabilities=options.compute_capabilities, workspace_gib=options.workspace_gib,
@@ -96,6 +97,7 @@ def build_in(folder: Path, found: Availability, options: ExportOptions, max_len:
     walk, listing = walk_parsed(parsed, plan, file=WALK_FILE)  # the very network the builder was given
     save_walk(folder / WALK_FILE, walk, listing)
     walk.raise_if_failed()
+    say("precision walk passed; building the naive all-FP16 graph for TensorRT's verdict on it")
     naive = naive_verdict(folder / FP16_FILE, profiles, found.family, options.compute_capabilities)
     draft = EngineRecord(file=PLAN_FILE, onnx=FP16_FILE, family=found.family, version=found.version,
                          profiles=built.profiles, targets=built.targets, built_on=built.built_on, options=built.options,

@@ -295,18 +295,20 @@ class SensitivityReport:
 def measure(graph: nn.Module, ref: Reference, sites: Sequence[Site], fmt: WeightFormat = S8_7BIT,
             progress=None) -> SensitivityReport:
     """Damage of quantizing each of ``sites`` alone (step 1). ``graph``: the exporter's ``GraphModule``
-    on the FP32 model; ``ref``: its :func:`fp32_reference` on the calibration batches."""
+    on the FP32 model; ``ref``: its :func:`fp32_reference` on the calibration batches. ``progress(done,
+    total)`` after each (batch, site) pass."""
     t0 = time.perf_counter()
     tail = graph.task == "encoder"  # heads re-run the whole model (their head sits after the encoder)
     solo: dict[Site, dict[str, float]] = {s: {} for s in sites}
+    total = len(ref.batches) * len(sites)
     for n, ((ids, mask), want, inputs) in enumerate(zip(ref.batches, ref.outputs, ref.layer_inputs)):
-        for site in sites:
+        for m, site in enumerate(sites, 1):
             with emulated(graph.model, [site], fmt):
                 got = (_tail(graph, site.layer, inputs[site.layer], ids, mask)
                        if tail and site.layer is not None else _outputs(graph, ids, mask))
             solo[site] = _worst(solo[site], _damage(want, got))
-        if progress:
-            progress(n + 1, len(ref.batches))
+            if progress:
+                progress(n * len(sites) + m, total)
     return SensitivityReport(fmt.name, tuple(graph.output_names), tuple(sites), tuple(solo[s] for s in sites),
                              sum(len(b[0]) for b in ref.batches), ref.tokens, time.perf_counter() - t0)
 

@@ -124,17 +124,18 @@ class GraphCheck:
 
 
 def check_graph(artifact: str, path: Path, reference, cases, tolerances, retrieval: RetrievalSet | None,
-                fail_fast: bool = False) -> GraphCheck:
+                fail_fast: bool = False, on_case=None) -> GraphCheck:
     """``path`` on ONNX Runtime: retrieval (when there is a set), then the grid (skipped with
-    ``fail_fast`` when retrieval already missed)."""
+    ``fail_fast`` when retrieval already missed); ``on_case``: ``compare``'s progress callback."""
     run = onnx_runner(path)
     ret = retrieval_check(artifact, run, retrieval) if retrieval is not None else None
     if fail_fast and ret is not None and not ret.passed:
         return GraphCheck(None, ret)
-    return GraphCheck(compare(artifact, run, reference, cases, tolerances), ret)
+    return GraphCheck(compare(artifact, run, reference, cases, tolerances, on_case), ret)
 
 
-def blind_reports(fp32_onnx: Path, reference, cases, tolerances, retrieval: RetrievalSet | None) -> tuple[BlindInt8Record, ...]:
+def blind_reports(fp32_onnx: Path, reference, cases, tolerances, retrieval: RetrievalSet | None,
+                  on_case=None) -> tuple[BlindInt8Record, ...]:
     """The same check on the blind quantizations: every matrix INT8, (a) as sentence-transformers'
     ``export_dynamic_quantized_onnx_model(..., "avx512_vnni")`` writes it (optimum's config:
     per-channel, full-range int8 weights) and (b) with our 7-bit weights, so the plan's gain and the
@@ -145,7 +146,8 @@ def blind_reports(fp32_onnx: Path, reference, cases, tolerances, retrieval: Retr
             path = Path(d) / f"blind-{fmt.name}.onnx"
             try:
                 write_int8(fp32_onnx, path, None, fmt)
-                c = check_graph(f"blind int8 ({name})", path, reference, cases, tolerances, retrieval)
+                c = check_graph(f"blind int8 ({name})", path, reference, cases, tolerances, retrieval,
+                                on_case=on_case(name) if on_case else None)
                 out.append(BlindInt8Record(name, fmt.name, c.validation, c.retrieval, None))
             except Exception as exc:  # noqa: BLE001 - the blind path failing is a finding, not an export error
                 out.append(BlindInt8Record(name, fmt.name, None, None,

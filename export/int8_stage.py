@@ -30,6 +30,7 @@ from .int8 import (S8_7BIT, SOLO_LEN, Reference, SensitivityReport, Selection, S
 from .int8_check import GraphCheck, RetrievalSet, blind_reports, check_graph, retrieval_set
 from .int8_graph import integer_matmuls, kernels_run, matrix_nodes, write_int8
 from .onnx import graph_opset
+from .progress import Meter, case_progress
 from .runners import onnx_runner
 
 if TYPE_CHECKING:
@@ -72,7 +73,9 @@ def sensitivity(ctx: "Context") -> Sensitivity:
     sites = [s for s, _ in matrix_sites(ctx.model)]
     ref = fp32_reference(graph, calibration_batches(ctx.tokenizer, ctx.texts))
     t1 = time.perf_counter()
-    report = measure(graph, ref, [s for s in sites if s in in_graph], FMT)
+    meter = Meter("int8 sensitivity", 1.0, ctx.progress)
+    report = measure(graph, ref, [s for s in sites if s in in_graph], FMT,
+                     lambda done, total: meter.advance(1.0 / total, f"{done}/{total} matrix passes"))
     return Sensitivity(ref, report, tuple(s for s in sites if s not in in_graph),
                        {"fp32 reference": t1 - t0, "solo": report.seconds})
 
@@ -92,6 +95,8 @@ def choose(ctx: "Context", sens: Sensitivity) -> Chosen:
     t_ret = time.perf_counter() - t0
     passed: dict[int, tuple[Path, GraphCheck, dict]] = {}
     with tempfile.TemporaryDirectory(prefix=".int8-", dir=ctx.staging) as d:
+        meter = Meter("int8 plan", 0, ctx.progress)  # the number of candidates is found as it goes
+
         def end_to_end(sites: Sequence[Site]) -> tuple[bool, str]:
             path = Path(d) / f"candidate-{len(sites)}.onnx"
             info = write_int8(fp32, path, sites, FMT)
@@ -100,6 +105,7 @@ def choose(ctx: "Context", sens: Sensitivity) -> Chosen:
                 passed[len(sites)] = (path, check, info)
             else:
                 path.unlink()
+            meter.advance(1, f"{len(sites)} INT8 matrices end to end: {'passed' if check.passed else 'missed'}")
             return check.passed, check.detail()
 
         graph = ctx.graph
@@ -123,7 +129,8 @@ def finish(ctx: "Context", chosen: Chosen) -> Int8Outcome:
                           f"quantized matrices (kernels: {kernels})")
     names = ctx.graph.output_names
     blind = blind_reports(ctx.staging / "model.onnx", ctx.reference, ctx.cases, tolerances_for("int8", names),
-                          chosen.retrieval)
+                          chosen.retrieval,
+                          lambda name: case_progress(f"int8 blind ({name})", ctx.model.config, ctx.cases, ctx.progress))
     sens, sel = chosen.sensitivity, chosen.selection
     report = sens.report
     matrices = sel.matrices + tuple(_not_in_graph(s) for s in sens.not_in_graph)

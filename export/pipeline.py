@@ -125,7 +125,8 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
         if options.fp16:
             fp16 = stages.run("validate fp16", fp16_mod.validate_mixed, ctx, scan_report, plan, mixed)
             graphs.append(fp16.graph)
-            engine = stages.run("engine", engine_stage, staging, target, ctx.max_len, options, ctx.cases)
+            engine = stages.run("engine", engine_stage, staging, target, ctx.max_len, options, ctx.cases,
+                                lambda message: report("progress", f"engine: {message}"))
         int8 = None
         if options.int8:  # independent of --fp16: the CPU path
             sensitivity = stages.run("int8 sensitivity", int8_stage.sensitivity, ctx)

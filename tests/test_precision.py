@@ -24,12 +24,36 @@ SCALE = 30000.0
 
 
 @pytest.fixture(scope="module")
-def overflow_bundle(tmp_path_factory):
+def overflow_export(tmp_path_factory):
+    """(checkpoint, ExportResult, the (event, message) reports of the export)."""
     root = tmp_path_factory.mktemp("ovf")
     folder = make_checkpoint(root / "ck", "gte-modernbert-base", seed=31, layout="mean-normalize",
                              num_hidden_layers=4, scale_layer_mlp=(OVERFLOW_LAYER, SCALE), **SMALL)
-    result = export_bundle(folder, ExportOptions(out=root / "out", max_seq_len=1024, fp16=True, engine="none"))
-    return folder, result
+    events: list[tuple[str, str]] = []
+    result = export_bundle(folder, ExportOptions(out=root / "out", max_seq_len=1024, fp16=True, engine="none"),
+                           lambda event, message: events.append((event, message)))
+    return folder, result, events
+
+
+@pytest.fixture(scope="module")
+def overflow_bundle(overflow_export):
+    return overflow_export[:2]
+
+
+def test_the_traces_run_in_the_background_and_report_their_own_times(overflow_export):
+    _, result, events = overflow_export
+    stages = [m.split("] ", 1)[1] for e, m in events if e == "stage"]
+    assert stages == ["load", "trace", "scan", "mixed precision", "validate", "validate fp16", "engine", "write"]
+    started = [m.split(":")[0] for e, m in events if e == "started"]
+    assert started == ["trace", "mixed precision"]  # the stages that start a job say so, not "done"
+    background = dict(m.split(": ", 1) for e, m in events if e == "background")
+    assert set(background) == {"trace", "mixed precision"}
+    for times in background.values():  # "12.3 s wall, 11.9 s CPU": the child's own, both real
+        wall, cpu = (float(part.split()[0]) for part in times.split(", "))
+        assert wall > 0.5 and cpu > 0.5
+    # the job's time is its own: the stage that started it returned at once
+    assert result.timings["trace"] < float(background["trace"].split()[0])
+    assert (result.bundle / "model.onnx").exists() and (result.bundle / "model.fp16.onnx").exists()
 
 
 def test_fp32_model_is_fine_but_fp16_residual_overflows(overflow_bundle):

@@ -107,6 +107,22 @@ def test_progress_has_an_eta(small):
     assert "scan:" in events[0].line() and "left" in events[0].line()
 
 
+def test_validation_reports_progress_per_case_weighted_by_its_cost(small):
+    from mbert.bundle.validation import FP32_TOLERANCE, Case, compare
+    from mbert.export.progress import case_progress
+
+    cases = [Case(name, *(np.asarray(a) for a in random_batch(lengths, seed=n)))
+             for n, (name, lengths) in enumerate((("long", [600, 3]), ("short", [7]), ("one token", [1])))]
+    echo = lambda ids, mask: {"x": ids.astype(np.float64)}  # noqa: E731 - runner and reference alike
+    events = []
+    report = compare("graph", echo, echo, cases, {"x": FP32_TOLERANCE},
+                     case_progress("validate", small.config, cases, events.append))
+    assert report.passed and [e.stage for e in events] == ["validate"] * 3
+    assert [e.step for e in events] == ["case 1/3 (long)", "case 2/3 (short)", "case 3/3 (one token)"]
+    assert events[0].fraction > 0.95 and events[-1].fraction == pytest.approx(1.0)  # 2 x 600 tokens dominate
+    assert case_progress("validate", small.config, cases, None) is None  # nobody listens: no callback
+
+
 def test_device(small):
     report = scan(small, [random_batch([30], seed=6)], device="cpu")
     assert report.num_tokens == 30
