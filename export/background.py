@@ -87,6 +87,10 @@ class Job:
     def done(self) -> bool:
         return self._outcome is not None
 
+    @property
+    def failed(self) -> bool:
+        return self._outcome is not None and self._outcome[0] != "ok"
+
     def poll(self, progress: ProgressFn | None, timeout: float = 0.0) -> bool:
         """Forward what the child sent so far; True once its result (or error) is in."""
         while self._outcome is None and self._recv.poll(timeout):
@@ -176,10 +180,12 @@ class Jobs:
         return result
 
     def poll(self) -> None:
-        """Forward the children's progress; give the parent its threads back once they are done.
-        Called between the parent's units of work (its own progress records)."""
-        for job in self._jobs.values():
-            job.poll(self.progress)
+        """Forward the children's progress; give the parent its threads back once they are done;
+        raise a job's error at once (a trace that failed stops the export now, not when its graph
+        is needed). Called between the parent's units of work (its own progress records)."""
+        for name, job in self._jobs.items():
+            if job.poll(self.progress) and job.failed:
+                self.collect(name)  # raises
         self._settle()
 
     @property

@@ -101,3 +101,13 @@ def test_leaving_the_jobs_stops_a_child_that_is_still_running(tmp_path):
     pid = int(marker.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # reaped: no such process
+
+
+def test_a_failed_job_stops_the_parent_at_its_next_unit_of_work():
+    with Jobs() as jobs:
+        jobs.start("trace", _raises_export_error)
+        deadline = time.monotonic() + 60
+        with pytest.raises(ExportError, match="Unsupported: an op"):
+            while time.monotonic() < deadline:  # the parent's eager work, between whose steps it polls
+                jobs.poll()
+                time.sleep(0.05)
