@@ -26,10 +26,13 @@ import json
 import time
 from pathlib import Path
 
+from mbert.modeling.config import ModernBertConfig
+
 REPO = Path(__file__).resolve().parents[1]
-# ModernBERT-base (the published config)
-D, INTER, LAYERS, HEADS, HEAD_DIM, WINDOW = 768, 1152, 22, 12, 64, 64
-GLOBAL = sum(i % 3 == 0 for i in range(LAYERS))  # global_attn_every_n_layers = 3
+CFG = ModernBertConfig.from_file(REPO / "tests" / "fixtures" / "modernbert-base" / "config.json")  # the published one
+D, INTER, LAYERS = CFG.hidden_size, CFG.intermediate_size, CFG.num_hidden_layers
+HEADS, HEAD_DIM, WINDOW = CFG.num_attention_heads, CFG.head_dim, CFG.window_half_width
+GLOBAL = sum(CFG.is_global(i) for i in range(LAYERS))
 LINEAR_FLOPS_PER_TOKEN = 2 * LAYERS * (D * 3 * D + D * D + D * 2 * INTER + INTER * D)
 
 

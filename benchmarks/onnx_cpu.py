@@ -94,6 +94,21 @@ def estimate_gib(system: str, B: int, T: int, cfg: dict, weights_bytes: int) -> 
     return (2 * weights_bytes + SCORE_COPIES[system] * scores) / 2**30
 
 
+def session_options_for(system: str, threads: int):
+    """The session options ``system`` runs with (module docstring, "Sessions"), inter-op 1."""
+    import onnxruntime as ort
+
+    if system in PROJECT_OPTIONS:
+        from mbert.runtime.backends import session_options
+
+        so = session_options(threads)
+    else:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    return so
+
+
 def child(system: str, B: int, T: int, repeats: int, threads: int, seed: int, cache: Path) -> None:
     """Load one system, warm up once, time ``repeats`` runs, print one JSON line."""
     import numpy as np
@@ -106,15 +121,7 @@ def child(system: str, B: int, T: int, repeats: int, threads: int, seed: int, ca
     if system in ORT_SYSTEMS:
         import onnxruntime as ort
 
-        if system in PROJECT_OPTIONS:
-            from mbert.runtime.backends import session_options
-
-            so = session_options(threads)
-        else:
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        sess = ort.InferenceSession(str(p[system]), so, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(str(p[system]), session_options_for(system, threads), providers=["CPUExecutionProvider"])
         feeds = dict(zip([i.name for i in sess.get_inputs()], (ids, mask)))
 
         def run():

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from onnx_cpu import ORT_SYSTEMS, PROJECT_OPTIONS, REPO, paths
+from onnx_cpu import ORT_SYSTEMS, REPO, paths, session_options_for
 
 
 def main() -> None:
@@ -35,14 +35,7 @@ def main() -> None:
     if not p[args.system].exists():
         raise SystemExit(f"{p[args.system]} does not exist: run benchmarks/onnx_cpu.py once to build it")
     cfg = json.loads((p["ckpt"] / "config.json").read_text())
-    if args.system in PROJECT_OPTIONS:
-        from mbert.runtime.backends import session_options
-
-        so = session_options(args.threads)
-    else:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = args.threads
-    so.inter_op_num_threads = 1
+    so = session_options_for(args.system, args.threads)
     so.enable_profiling = True
     so.profile_file_prefix = str(args.cache / f"ort_profile_{args.system}_{args.shape}")
     sess = ort.InferenceSession(str(p[args.system]), so, providers=["CPUExecutionProvider"])

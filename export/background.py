@@ -162,18 +162,14 @@ class Jobs:
         self._settle()
         return job
 
-    def result(self, name: str) -> Any:
-        """Wait for job ``name`` (forwarding its progress) and return its result."""
+    def collect(self, name: str) -> Any:
+        """Wait for job ``name`` (forwarding its progress) and return its result; the job's own times
+        are reported once, as a "background" event."""
         job = self._jobs[name]
         try:
-            return job.result(self.progress)
+            result = job.result(self.progress)
         finally:
             self._settle()
-
-    def collect(self, name: str) -> Any:
-        """:meth:`result`, and the job's own times reported once as a "background" event."""
-        result = self.result(name)
-        job = self._jobs[name]
         if self.report is not None and not job.reported:
             job.reported = True
             self.report("background", f"{name}: {job.elapsed_s:.1f} s wall, {job.cpu_s:.1f} s CPU")

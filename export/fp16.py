@@ -54,14 +54,11 @@ def trace_mixed(ctx: "Context", plan: Plan) -> MixedStarted:
     done (one trace at a time; :func:`validate_mixed` collects it), and meanwhile measure the mixed
     eager model's error per layer kind (eager work for the core the trace leaves free)."""
     ctx.jobs.collect("trace")
-    ctx.jobs.start("mixed precision", _trace_mixed, ctx.model, plan, ctx.staging / FP16_FILE, pooling=ctx.pooling,
-                   opset=ctx.options.opset, max_seq_len=ctx.max_len)
+    mixed = to_mixed_precision(ctx.model, plan)  # converted once: the child traces it, the parent checks it
+    ctx.jobs.start("mixed precision", to_onnx, mixed, ctx.staging / FP16_FILE, pooling=ctx.pooling,
+                   opset=ctx.options.opset, max_seq_len=ctx.max_len, target="tensorrt")
     short = [c for c in ctx.cases if c.input_ids.shape[1] <= 512]
-    return MixedStarted(per_layer_kind(ctx.model, to_mixed_precision(ctx.model, plan), short, ctx.progress))
-
-
-def _trace_mixed(model, plan: Plan, path: Path, **kwargs):
-    return to_onnx(to_mixed_precision(model, plan), path, target="tensorrt", **kwargs)
+    return MixedStarted(per_layer_kind(ctx.model, mixed, short, ctx.progress))
 
 
 def validate_mixed(ctx: "Context", report: ScanReport, plan: Plan, started: MixedStarted) -> Fp16Outcome:

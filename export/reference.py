@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .device import fp32_reference, model_on, resolve_device
-from .progress import Meter, ProgressFn, forward_flops
+from .progress import ProgressFn, case_progress
 
 CACHE_BYTES = 1 << 30  # outputs kept in memory; beyond that a case is recomputed when asked for
 
@@ -62,10 +62,9 @@ class ReferenceOutputs:
 
     def precompute(self, cases: Sequence, progress: ProgressFn | None = None) -> "ReferenceOutputs":
         """Run every case now (each ``case.input_ids``, ``case.attention_mask``), with progress."""
-        config = self.graph.model.config
-        costs = [forward_flops(config, c.input_ids.shape[1], c.input_ids.shape[0]) for c in cases]
-        meter = Meter("reference", sum(costs), progress)
-        for n, (case, cost) in enumerate(zip(cases, costs), 1):
+        on_case = case_progress("reference", self.graph.model.config, cases, progress)
+        for case in cases:
             self(case.input_ids, case.attention_mask)
-            meter.advance(cost, f"case {n}/{len(cases)} ({case.name})")
+            if on_case is not None:
+                on_case(case)
         return self
