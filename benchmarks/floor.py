@@ -26,7 +26,7 @@ import json
 import time
 from pathlib import Path
 
-from mbert.modeling.config import ModernBertConfig
+from mbert.bundle.config import ModernBertConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = ModernBertConfig.from_file(REPO / "tests" / "fixtures" / "modernbert-base" / "config.json")  # the published one
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args()
     from mbert.bundle.texts import calibration_texts
-    from mbert.modeling.tokenizer import load_tokenizer
+    from mbert.bundle.tokenizer import load_tokenizer
 
     tok = load_tokenizer(REPO / "tests" / "fixtures" / "modernbert-base")
     lengths = [min(len(tok.encode(t).ids), 8192) for t in calibration_texts()]

@@ -52,14 +52,13 @@ def main() -> None:
     args = ap.parse_args()
 
     import transformers
-
     from helpers import make_checkpoint
-    from mbert.export.precision import scan_batches
-    from mbert.export.precision import plan, scan, to_mixed_precision
+
     from mbert.bundle.texts import calibration_texts
+    from mbert.bundle.tokenizer import load_tokenizer
     from mbert.bundle.validation import build_cases, default_grid
-    from mbert.modeling.tokenizer import load_tokenizer
-    from mbert.modeling import load_model, load_pooling
+    from mbert.export.fp16.precision import plan, scan, scan_batches, to_mixed_precision
+    from mbert.modeling import Pooling, load_model, load_pooling
 
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # FP32 reference stays FP32
@@ -77,7 +76,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(Path(tmp) / "gte", "gte-modernbert-base", seed=0, layout="cls-pooling", **small)
         ours32 = load_model(ckpt, device=device)
-        pooling = load_pooling(ckpt).module()
+        pooling = Pooling.of(load_pooling(ckpt))
         tok = load_tokenizer(ckpt)
         texts = calibration_texts()
         t0 = time.perf_counter()

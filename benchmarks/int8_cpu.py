@@ -115,8 +115,8 @@ def prepare(quick: bool, max_len: int) -> tuple[Path, Path, dict]:
 
 
 def blind_graphs(bundle: Path) -> dict[str, Path]:
-    from mbert.export.int8 import S8, S8_7BIT
-    from mbert.export.int8_graph import write_int8
+    from mbert.export.int8.graph import write_int8
+    from mbert.export.int8.plan import S8, S8_7BIT
 
     out = {}
     for name, fmt in (("blind 7-bit", S8_7BIT), ("blind st-vnni", S8)):
@@ -219,7 +219,7 @@ def _figures(name: str, validation, retrieval, gating: bool) -> str:
 def report(args, manifest, status, results, corpus, fixed, spec) -> str:
     from mbert import export
     from mbert.bundle.int8 import plan_table, summary_lines
-    from mbert.runtime.info import table
+    from mbert.runtime.cli.info import table
 
     tokens = int(sum(m.sum() for _, m in corpus))
     base = results["fp32"]

@@ -99,7 +99,7 @@ def session_options_for(system: str, threads: int):
     import onnxruntime as ort
 
     if system in PROJECT_OPTIONS:
-        from mbert.runtime.backends import session_options
+        from mbert.runtime.backends.onnxruntime import session_options
 
         so = session_options(threads)
     else:
@@ -175,13 +175,13 @@ def export_child(what: str, cache: Path, small: bool) -> None:
     p[what].parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if what == "ours":
-        from mbert.export.onnx import export_targets
+        from mbert.export.onnx.trace import export_targets
         from mbert.modeling import load_model
 
         model = load_model(p["ckpt"])
         export_targets(model, {"onnxruntime": p["ours-ort"], "tensorrt": p["ours-trt"]}, max_seq_len=8192)
         export_before(model, p["ours-before"])
-        meta = {"method": "mbert.export.onnx.export_targets (dynamo), one trace for both targets; "
+        meta = {"method": "mbert.export.onnx.trace.export_targets (dynamo), one trace for both targets; "
                           "ours-before: the same trace with the per-head lowering of this script"}
     else:
         meta = export_hf(p["ckpt"], p["hf-onnx"])
@@ -193,7 +193,7 @@ def per_head_attention(q, k, v, bias):
     """The attention of the graph before issue 11: global layers one head at a time (standard ops)."""
     from onnxscript import opset18 as op
 
-    from mbert.export.lowering import standard_attention
+    from mbert.export.onnx.lowering import standard_attention
 
     if len(q.shape) != 4 or bias.shape[2] != 1:
         return standard_attention(q, k, v, bias)
@@ -210,7 +210,7 @@ def per_head_attention(q, k, v, bias):
 def export_before(model, path: Path) -> None:
     import torch
 
-    from mbert.export.onnx import check_graph
+    from mbert.export.onnx.trace import check_graph
     from mbert.modeling.graph import GraphModule
 
     graph = GraphModule(model, None).eval()

@@ -158,10 +158,9 @@ def overhead_split(enc, max_len: int, repeats: int = 5) -> dict:
     """encode() of 4 texts of >= 512 tokens (cut to 512) vs the raw backend call on the same ids."""
     import warnings
 
-    from mbert.runtime import Encoder
-    from mbert.modeling.tokenizer import pad_batch
-
     from mbert.bundle.texts import calibration_texts
+    from mbert.bundle.tokenizer import pad_batch
+    from mbert.runtime import Encoder
 
     length = min(512, max_len)
     cut = Encoder(enc.path, dict(enc.manifest, max_seq_len=length), enc.backend)  # same session, truncates at 512

@@ -5,7 +5,7 @@ engine size and builder peak memory, FP16 (this project's mixed-precision graph)
 One seeded random full-size ModernBERT-base checkpoint (22 layers, built with the test helper;
 shared with onnx_cpu.py in benchmarks/.cache/), exported once:
 
-  fp32   mbert.export.onnx.to_onnx(load_model(folder), max_seq_len=8192)    (the standard-ops form,
+  fp32   mbert.export.onnx.trace.to_onnx(load_model(folder), max_seq_len=8192)    (the standard-ops form,
          target "tensorrt": the bundle's model.onnx is ONNX Runtime's fused form, TensorRT cannot parse it)
   fp16   scan -> plan -> to_mixed_precision -> to_onnx, as the pipeline does   (model.fp16.onnx)
 
@@ -60,15 +60,15 @@ def export_child(what: str, cache: Path, quick: bool, max_seq: int) -> None:
 
         make_checkpoint(p["ckpt"], "modernbert-base", seed=0, **(QUICK if quick else {}))
         return
-    from mbert.export.onnx import to_onnx
+    from mbert.export.onnx.trace import to_onnx
     from mbert.modeling import load_model
 
     model = load_model(p["ckpt"])
     if what == "fp32":
         to_onnx(model, p["fp32"], max_seq_len=max_seq)
         return
-    from mbert.export.precision import plan, scan, to_mixed_precision
     from mbert.bundle.texts import calibration_texts
+    from mbert.export.fp16.precision import plan, scan, to_mixed_precision
 
     the_plan = plan(scan(model, calibration_texts(), max_len=512))
     to_onnx(to_mixed_precision(model, the_plan), p["fp16"], max_seq_len=max_seq)
@@ -82,7 +82,7 @@ def build_child(precision: str, cache: Path, quick: bool, max_batch: int, max_se
     t0 = time.perf_counter()
     import tensorrt_rtx  # noqa: F401
 
-    from mbert.export.trt_build import build_log_text, build_parsed, parse_onnx, profiles_from
+    from mbert.export.tensorrt.build import build_log_text, build_parsed, parse_onnx, profiles_from
 
     import_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -101,8 +101,8 @@ def build_child(precision: str, cache: Path, quick: bool, max_batch: int, max_se
               "workspace_gib": built.options.workspace_gib, "profiles": [str(x) for x in built.profiles]}
     if precision == "fp16":  # the walk runs over the network just built, as in the export's engine stage
         from mbert.bundle.schema import to_json
-        from mbert.export.precision import Plan
-        from mbert.export.trt_precision import walk_parsed
+        from mbert.export.fp16.precision import Plan
+        from mbert.export.tensorrt.precision import walk_parsed
 
         t1 = time.perf_counter()
         walk, _ = walk_parsed(parsed, Plan.from_dict(json.loads(p["plan"].read_text())))

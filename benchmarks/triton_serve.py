@@ -84,7 +84,7 @@ def served(bundle: Path, corpus: list[str], clients: int) -> dict:
     import tritonclient.http
 
     from mbert.runtime import TritonEncoder
-    from mbert.runtime.serve import TritonServer, ensemble_models, repository_of
+    from mbert.runtime.serve.server import TritonServer, ensemble_models, repository_of
 
     repo = repository_of(bundle)
     models = ensemble_models(repo)
@@ -211,7 +211,7 @@ def write_repository(bundle: Path) -> None:
     """(Re)write the bundle's triton/ with the current writer (a cached bundle may predate it)."""
     import json
 
-    from mbert.export.triton import TritonSpec, write_triton_repository
+    from mbert.export.triton.writer import TritonSpec, write_triton_repository
     from mbert.runtime import Encoder
 
     manifest = json.loads((bundle / "manifest.json").read_text())

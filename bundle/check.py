@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from mbert.modeling.config import ModernBertConfig
-from mbert.modeling.errors import BundleError, MbertError
-from mbert.modeling.graph import input_specs, output_specs
-from mbert.modeling.pooling import load_pooling
-
-from .manifest import MANIFEST, REEXPORT, Manifest, ModelInfo
+from mbert.bundle.config import ModernBertConfig
+from mbert.bundle.errors import BundleError, MbertError
+from mbert.bundle.manifest import REEXPORT, Manifest, ModelInfo
+from mbert.bundle.names import CONFIG, MANIFEST
+from mbert.bundle.pooling import read_pooling
+from mbert.bundle.tensors import input_specs, output_specs
 
 
 def model_info(cfg: ModernBertConfig) -> ModelInfo:
@@ -26,11 +26,11 @@ def model_info(cfg: ModernBertConfig) -> ModelInfo:
 
 def cross_check(folder: Path, manifest: Manifest) -> ModernBertConfig:
     """BundleError listing every value of ``manifest`` that its files contradict; returns config.json."""
-    if "config.json" not in manifest.files:
-        raise BundleError(f"{folder}: the manifest lists no config.json; {REEXPORT}")
+    if CONFIG not in manifest.files:
+        raise BundleError(f"{folder}: the manifest lists no {CONFIG}; {REEXPORT}")
     try:
-        cfg = ModernBertConfig.from_file(folder / "config.json")
-        declared = load_pooling(folder) if manifest.task == "encoder" else None
+        cfg = ModernBertConfig.from_file(folder / CONFIG)
+        declared = read_pooling(folder) if manifest.task == "encoder" else None
     except MbertError as exc:
         raise BundleError(f"{folder}: {exc}") from exc
     problems = []

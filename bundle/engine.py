@@ -6,7 +6,7 @@ GPU and the plan runs where it was built, or on any Ampere or newer GPU when bui
 hardware-compatible) and TensorRT for RTX (``tensorrt-rtx``; builds with no GPU for a list of target
 compute capabilities). An engine built where it cannot run is a legitimate outcome: its record has
 no ``validation`` and says why (``not_run_reason``): "built, not yet run". The runtime runs the
-parity grid on such a plan the first time it opens it on a supported GPU (``mbert.runtime.verdicts``).
+parity grid on such a plan the first time it opens it on a supported GPU (``mbert.runtime.backends.verdicts``).
 
 Pure Python (no TensorRT import). Every value is checked when a record is made, so a manifest that
 parses is consistent (:mod:`mbert.bundle.schema` turns a ``ValueError`` here into a BundleError
@@ -20,10 +20,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from mbert.modeling.errors import PrecisionError
-from mbert.modeling.paths import RelPath
-
-from .validation import ValidationReport
+from mbert.bundle.errors import PrecisionError
+from mbert.bundle.paths import RelPath
+from mbert.bundle.validation import ValidationReport
 
 Family = Literal["tensorrt", "tensorrt-rtx"]
 FAMILIES: tuple[str, ...] = ("tensorrt", "tensorrt-rtx")
@@ -167,7 +166,7 @@ class NetworkCounts:
 class PrecisionWalk:
     """The FP16 plan checked inside TensorRT: every site's precision in the network TensorRT built
     from the FP16 graph (``file`` lists every TensorRT layer with its site and dtypes), and the
-    verdict (``mbert.export.trt_precision`` computes it)."""
+    verdict (``mbert.export.tensorrt.precision`` computes it)."""
 
     file: RelPath  # tensorrt_precision.json
     onnx: RelPath  # the graph walked

@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mbert.modeling.paths import RelPath
-
-from .validation import ValidationReport
+from mbert.bundle.paths import RelPath
+from mbert.bundle.validation import ValidationReport
 
 
 @dataclass(frozen=True)

@@ -10,28 +10,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from mbert.modeling.errors import BundleError, read_json
-from mbert.modeling.graph import TensorSpec
-from mbert.modeling.pooling import PoolingConfig
-
-from . import files as files_mod
-from .engine import EngineRecord, TensorRTVerdict
-from .int8 import Int8Record
-from .schema import RelPath, from_json, to_json
-from .validation import ValidationReport
+from mbert.bundle import files as files_mod
+from mbert.bundle.engine import EngineRecord, TensorRTVerdict
+from mbert.bundle.errors import BundleError
+from mbert.bundle.files import read_json
+from mbert.bundle.int8 import Int8Record
+from mbert.bundle.names import MANIFEST, TRITON_ENCODERS
+from mbert.bundle.pooling import PoolingConfig
+from mbert.bundle.schema import RelPath, from_json, to_json
+from mbert.bundle.tensors import TensorSpec
+from mbert.bundle.validation import ValidationReport
 
 FORMAT_VERSION = 2
 KNOWN_FORMATS = (1, 2)  # 1: mbert-export 0.1 (an untyped manifest): recognised, never opened
-MANIFEST = "manifest.json"
 REEXPORT = "re-export the model with this mbert-export (mbert-export SOURCE --out BUNDLE --overwrite)"
 Task = Literal["encoder", "masked-lm", "sequence-classification", "token-classification"]
 Precision = Literal["fp32", "fp16", "int8"]
+TritonEncoder = Literal[TRITON_ENCODERS]
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,7 @@ class TritonRecord:
 
     repository: RelPath  # the model repository folder ("triton")
     ensemble: str  # the ensemble's model name
-    encoder: Literal["python", "onnx", "trt"]  # the encoder the ensemble routes to
+    encoder: TritonEncoder  # the encoder the ensemble routes to
     max_batch: int
     length_buckets: tuple[int, ...]  # padded lengths the tokenizer model emits
     ensemble_outputs: tuple[str, ...]
@@ -186,10 +185,7 @@ def write(folder: Path, manifest: Manifest) -> Manifest:
     """Seal ``manifest`` over ``folder`` and write it as ``manifest.json`` (atomically); returns it."""
     sealed = seal(folder, manifest)
     text = json.dumps(to_json(sealed), indent=2, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.", dir=folder)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, folder / MANIFEST)
+    files_mod.atomic_write(folder / MANIFEST, text)
     return sealed
 
 

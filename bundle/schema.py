@@ -5,7 +5,7 @@ The dataclass fields are the only place a manifest key is spelled. Reading check
 against its field's type (nested records, ``X | None``, ``tuple[X, ...]``, ``dict[str, X]``,
 ``Literal``), refuses missing and unknown keys (the writer writes every field, defaults included),
 and names the key at fault by its full path (``engine.profiles[0].max``). Paths are
-:class:`mbert.modeling.paths.RelPath`: relative names that stay inside their folder (no absolute
+:class:`mbert.bundle.paths.RelPath`: relative names that stay inside their folder (no absolute
 path, no ``..``, no empty or ``.`` component, no backslash or NUL).
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from mbert.modeling.errors import BundleError, MbertError
-from mbert.modeling.paths import RelPath, check_relpath
+from mbert.bundle.errors import BundleError, MbertError
+from mbert.bundle.paths import RelPath, check_relpath
 
 
 def to_json(value: Any) -> Any:

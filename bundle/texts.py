@@ -13,7 +13,8 @@ import os
 from importlib.resources import files
 from pathlib import Path
 
-from mbert.modeling.errors import TextFileError
+from mbert.bundle.errors import TextFileError
+from mbert.bundle.files import TEXT_LIMIT, read_bounded
 
 __all__ = ["calibration_texts", "load_text_file"]
 
@@ -47,19 +48,12 @@ def load_text_file(path: str | os.PathLike[str]) -> list[str]:
       string ``"text"`` key.
     * anything else: plain UTF-8 text, one text per non-blank line (line ends removed).
 
-    Raises :class:`~mbert.modeling.errors.TextFileError`, naming the file (and the line
+    Raises :class:`~mbert.bundle.errors.TextFileError`, naming the file (and the line
     where there is one), when the file is missing, unreadable, not UTF-8, holds no text,
     or has a malformed JSONL line.
     """
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise TextFileError(f"{p}: text file not found") from None
-    except IsADirectoryError:
-        raise TextFileError(f"{p}: is a directory, expected a text file") from None
-    except OSError as exc:
-        raise TextFileError(f"{p}: cannot read text file ({exc.strerror or exc})") from None
+    data = read_bounded(p, TEXT_LIMIT, TextFileError, "text file")
     try:
         content = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from mbert.modeling.errors import ValidationError
-from mbert.modeling.tokenizer import pad_batch
+from mbert.bundle.errors import ValidationError
+from mbert.bundle.tokenizer import pad_batch
 
 Runner = Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]
 
@@ -172,6 +172,17 @@ def build_cases(tokenizer, texts: Sequence[str], grid, cls_id: int | None, sep_i
             rows.append(row[:n])
         cases.append(Case(name, *pad_batch(rows, max(len(r) for r in rows), pad_id)))
     return cases
+
+
+def grid_cases(tokenizer, model, max_len: int, texts: Sequence[str] | None = None) -> list[Case]:
+    """The validation grid on real text, as every check of a bundle runs it: ``texts`` (default: the
+    built-in set) cut to :func:`default_grid`'s lengths up to ``max_len``. ``model`` gives the window
+    and the special ids (a manifest's ``ModelInfo`` or a ``ModernBertConfig``)."""
+    from mbert.bundle.texts import calibration_texts
+
+    return build_cases(tokenizer, calibration_texts() if texts is None else texts,
+                       default_grid(model.local_attention // 2, max_len), model.cls_token_id, model.sep_token_id,
+                       model.pad_token_id)
 
 
 def compare(artifact: str, run: Runner, reference: Runner, cases: Sequence[Case],

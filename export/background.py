@@ -33,9 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from mbert.modeling.errors import ExportError
-
-from .progress import ProgressFn
+from mbert.bundle.errors import ExportError
+from mbert.export.progress import ProgressFn
 
 _PR_SET_PDEATHSIG = 1
 

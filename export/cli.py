@@ -15,12 +15,14 @@ from pathlib import Path
 
 import click
 
+from mbert.bundle.names import TRITON_ENCODERS
+
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("model", required=False)
 @click.option("--out", type=click.Path(path_type=Path), help="Bundle folder (default: engines/<model-name>).")
 @click.option("--max-seq-len", type=int, help="Longest input the bundle accepts (default: the checkpoint's; >= 2).")
-@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18+: see mbert.export.onnx).")
+@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18+: see mbert.export.onnx.trace).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle (only a bundle of this tool).")
 @click.option("--task", type=click.Choice(["encoder", "masked-lm", "sequence-classification", "token-classification"]),
               help="Override the head chosen from config.json 'architectures' (encoder: hidden states only).")
@@ -42,7 +44,7 @@ import click
 @click.option("--hardware-compatible", is_flag=True,
               help="Datacenter TensorRT: a plan for any Ampere or newer GPU (possibly slower).")
 @click.option("--no-engine", is_flag=True, help="With --fp16: skip the TensorRT engine (same as --engine none).")
-@click.option("--triton-encoder", type=click.Choice(["python", "onnx", "trt"]), default="python", show_default=True,
+@click.option("--triton-encoder", type=click.Choice(TRITON_ENCODERS), default="python", show_default=True,
               help="What the Triton ensemble routes to: ONNX Runtime in the Python backend (any Triton), the ONNX "
                    "Runtime backend, or the TensorRT plan. Switch later with mbert-run serve --encoder.")
 @click.option("--engine-only", "engine_only", type=click.Path(path_type=Path),
@@ -77,8 +79,8 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibratio
     if sum(x is not None for x in (model, engine_only, random_checkpoint)) != 1:
         raise click.UsageError("give exactly one of MODEL (a hub id or checkpoint folder), --engine-only BUNDLE "
                                "or --random-checkpoint FOLDER")
-    from .report import echo, summary
-    from .transaction import sigterm_as_interrupt
+    from mbert.export.report import echo, summary
+    from mbert.export.transaction import sigterm_as_interrupt
 
     sigterm_as_interrupt()
     if not debug:  # TensorRT's own warnings and errors go to the build logs in the bundle, not the terminal
@@ -94,16 +96,16 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibratio
                        f"mbert-export {folder}")
             return
         if engine_only is not None:
-            from .engine_only import build_for_bundle
-            from .options import ExportOptions
+            from mbert.export.options import ExportOptions
+            from mbert.export.tensorrt.engine_only import build_for_bundle
 
             options = ExportOptions(fp16=True, max_batch=max_batch, opt_batch=opt_batch, opt_seq_len=opt_seq_len,
                                     split_seq=split, workspace_gib=workspace_gib, engine=engine,
                                     compute_capabilities=targets, hardware_compatible=hardware_compatible)
             click.echo(build_for_bundle(engine_only, options, report=echo))
             return
-        from .options import ExportOptions
-        from .pipeline import export_bundle
+        from mbert.export.options import ExportOptions
+        from mbert.export.pipeline import export_bundle
 
         options = ExportOptions(out=out, max_seq_len=max_seq_len, opset=opset, overwrite=overwrite, task=task,
                                 fp16=fp16, calibration=calibration, margin=margin, max_batch=max_batch,
@@ -119,7 +121,7 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibratio
         click.echo("interrupted: no bundle was written or changed", err=True)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - every failure ends as one line and an exit code
-        from .transaction import was_interrupted
+        from mbert.export.transaction import was_interrupted
 
         if was_interrupted():  # the interrupt was caught and re-raised as another error on its way up
             click.echo("interrupted: no bundle was written or changed", err=True)
@@ -131,7 +133,7 @@ def main(model, out, max_seq_len, opset, overwrite, task, fp16, int8, calibratio
 
 def fail(exc: BaseException) -> int:
     """Print ``exc`` as one line; returns the exit code (see the module docstring)."""
-    from mbert.modeling.errors import failure
+    from mbert.bundle.errors import failure
 
     line, code = failure(exc)
     click.echo(line, err=True)

@@ -12,7 +12,7 @@ import copy
 import torch
 from torch import nn
 
-from mbert.modeling.errors import ExportError
+from mbert.bundle.errors import ExportError
 
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -11,11 +11,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from mbert.modeling.config import TASKS, ModernBertConfig
-from mbert.modeling.errors import OptionError
-
-from .onnx import MIN_OPSET, MIN_SEQ_LEN, OPSET
-from .precision import DEFAULT_MARGIN
+from mbert.bundle.config import TASKS, ModernBertConfig
+from mbert.bundle.errors import OptionError
+from mbert.bundle.names import TRITON_ENCODERS
+from mbert.export.fp16.precision import DEFAULT_MARGIN
+from mbert.export.onnx.trace import MIN_OPSET, MIN_SEQ_LEN, OPSET
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class ExportOptions:
     opt_batch: int | None = None
     opt_seq_len: int | None = None
     split_seq: tuple[int, ...] | None = None
-    workspace_gib: float | None = None  # None: TensorRT's own limit (why: mbert.export.trt_build)
+    workspace_gib: float | None = None  # None: TensorRT's own limit (why: mbert.export.tensorrt.build)
     engine: str = "auto"  # with --fp16: auto | tensorrt | tensorrt-rtx | none
     compute_capabilities: tuple[str, ...] | None = None  # TensorRT-RTX targets (default: its portable set)
     hardware_compatible: bool = False  # datacenter TensorRT: a plan for any Ampere or newer GPU
@@ -65,7 +65,7 @@ class ExportOptions:
                                                    and math.isfinite(self.workspace_gib) and self.workspace_gib > 0):
             raise OptionError(f"--workspace-gib must be a positive number, got {self.workspace_gib!r}")
         self._check_engine()
-        from .device import DEVICES
+        from mbert.export.device import DEVICES
 
         if self.device not in DEVICES:
             raise OptionError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
@@ -80,7 +80,7 @@ class ExportOptions:
                 raise OptionError(f"--split-seq must be strictly increasing, got {','.join(map(str, self.split_seq))}")
             if self.max_seq_len is not None and self.split_seq[-1] > self.max_seq_len:
                 raise OptionError(f"--split-seq {self.split_seq[-1]} exceeds --max-seq-len {self.max_seq_len}")
-        if self.triton_encoder not in ("python", "onnx", "trt"):
+        if self.triton_encoder not in TRITON_ENCODERS:
             raise OptionError(f"--triton-encoder must be python, onnx or trt, got {self.triton_encoder!r}")
         if self.triton_encoder == "trt" and not (self.fp16 and self.family in ("auto", "tensorrt")):
             raise OptionError("--triton-encoder trt routes Triton to the TensorRT plan: it needs --fp16 and a datacenter "
@@ -90,7 +90,7 @@ class ExportOptions:
                               "only with --fp16")
 
     def _check_engine(self) -> None:
-        from mbert.runtime.trt_family import ENGINE_CHOICES, RTX_TARGETS
+        from mbert.runtime.backends.family import ENGINE_CHOICES, RTX_TARGETS
 
         if self.engine not in (*ENGINE_CHOICES, "none"):
             raise OptionError(f"--engine must be one of {', '.join(ENGINE_CHOICES)} or none, got {self.engine!r}")

@@ -15,63 +15,32 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from mbert.bundle import GraphRecord, IO, Manifest, Source, model_info, write
+from mbert.bundle import IO, GraphRecord, Manifest, Source, model_info, write
+from mbert.bundle.errors import BundleError, ExportError, OptionError
+from mbert.bundle.names import FP16_GRAPH, FP32_GRAPH, INT8_GRAPH, MANIFEST, PLAN, TOKENIZER
 from mbert.bundle.texts import calibration_texts, load_text_file
-from mbert.bundle.validation import Case, ValidationReport, build_cases, compare, default_grid, tolerances_for
-from mbert.modeling import load_model, load_pooling
-from mbert.modeling.errors import ExportError, OptionError
-from mbert.modeling.graph import GraphModule
-from mbert.modeling.pooling import PoolingConfig
+from mbert.bundle.tokenizer import check_token_ids, load_tokenizer
+from mbert.bundle.validation import compare, grid_cases, tolerances_for
+from mbert.export.background import Jobs
+from mbert.export.context import Context, Reporter
+from mbert.export.device import resolve_device
+from mbert.export.fp16 import stage as fp16_mod
+from mbert.export.int8 import stage as int8_stage
+from mbert.export.onnx.lowering import TARGET_INFO
+from mbert.export.onnx.trace import graph_opset, to_onnx
+from mbert.export.options import ExportOptions
+from mbert.export.progress import Progress, ProgressFn, case_progress
+from mbert.export.reference import ReferenceOutputs
+from mbert.export.tensorrt.stage import EngineOutcome, engine_stage
+from mbert.export.transaction import check_source, check_target, resolved, transaction
+from mbert.modeling import load_model, load_pooling, resolve
 from mbert.modeling.random import is_random
-from mbert.modeling.tokenizer import check_token_ids, load_tokenizer
-
-from . import fp16 as fp16_mod
-from . import int8_stage
-from .background import Jobs
-from .engine import EngineOutcome, engine_stage
-from .device import resolve_device
-from .lowering import TARGET_INFO
-from .onnx import graph_opset, to_onnx
-from .progress import Progress, ProgressFn, case_progress
-from .reference import ReferenceOutputs
-from .options import ExportOptions
-from .runners import onnx_runner
-from .transaction import check_target, transaction
-
-# (event, message); events: "stage", "done", "started" (a stage that started a background job),
-# "background" ("NAME: WALL s wall, CPU s CPU": that job's own times, once collected), "info", "warn", "progress"
-Reporter = Callable[[str, str], None]
-FP32_FILE = "model.onnx"
-
-
-@dataclass
-class Context:
-    """What every stage reads: the checked options and the loaded checkpoint."""
-
-    source: str
-    options: ExportOptions
-    target: Path  # where the bundle will be
-    staging: Path  # where its files are written until the swap
-    model: torch.nn.Module
-    pooling: PoolingConfig | None
-    tokenizer: object
-    max_len: int
-    texts: list[str]  # built-in texts plus the user's calibration file
-    cases: list[Case] = field(default_factory=list)  # the validation grid on real text
-    reference: ReferenceOutputs | None = None  # set by the validate stage: eager FP32 outputs, cached per case
-    device: torch.device = torch.device("cpu")  # where the eager passes run (--device)
-    progress: ProgressFn | None = None  # progress records of long stages
-    jobs: Jobs | None = None  # the traces running in a child process (set by export_bundle)
-
-    @property
-    def graph(self) -> GraphModule:
-        return GraphModule(self.model, self.pooling).eval()
+from mbert.runtime.backends.onnxruntime import onnx_runner
 
 
 @dataclass
@@ -104,13 +73,15 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
     options.check()
     _check_builder(options)
     device = _device(options)
-    target = options.target(source)
+    target = resolved(options.target(source))
     check_target(target, options.overwrite)
+    check_nothing_dropped(target, options)
+    check_source(resolve(str(source)).path, target)
     texts = calibration_texts() + (load_text_file(options.calibration) if options.calibration else [])
     stages = _Stages(report, 4 + (4 if options.fp16 else 0) + (3 if options.int8 else 0))
     with transaction(target, options.overwrite, lambda m: report("info", m)) as staging, Jobs(report) as jobs:
-        ctx = stages.run("load", load, str(source), options, target, staging, texts)
-        ctx.device, ctx.jobs, ctx.progress = device, jobs, _progress(report, jobs)
+        ctx = stages.run("load", load, str(source), options, target, staging, texts, device, jobs,
+                         _progress(report, jobs))
         if is_random(ctx.model.source.path):
             report("warn", f"{source} has RANDOM weights (written by --random-checkpoint): fine for trying the tool, "
                            "meaningless as a model")
@@ -120,21 +91,57 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
             scan_report, plan = stages.run("scan", fp16_mod.scan_and_plan, ctx)
             # in the background beside validate; collected by validate fp16
             mixed = stages.run("mixed precision", fp16_mod.trace_mixed, ctx, plan, background=True)
-        io, fp32_graph = stages.run("validate", validate, ctx)
+        io, fp32_graph, reference = stages.run("validate", validate, ctx)
         graphs = [fp32_graph]
         if options.fp16:
-            fp16 = stages.run("validate fp16", fp16_mod.validate_mixed, ctx, scan_report, plan, mixed)
+            fp16 = stages.run("validate fp16", fp16_mod.validate_mixed, ctx, reference, scan_report, plan, mixed)
             graphs.append(fp16.graph)
             engine = stages.run("engine", engine_stage, staging, target, ctx.max_len, options, ctx.cases,
                                 lambda message: report("progress", f"engine: {message}"))
         int8 = None
         if options.int8:  # independent of --fp16: the CPU path
             sensitivity = stages.run("int8 sensitivity", int8_stage.sensitivity, ctx)
-            chosen = stages.run("int8 plan", int8_stage.choose, ctx, sensitivity)
-            int8 = stages.run("int8 blind", int8_stage.finish, ctx, chosen)
+            chosen = stages.run("int8 plan", int8_stage.choose, ctx, reference, sensitivity)
+            int8 = stages.run("int8 blind", int8_stage.finish, ctx, reference, chosen)
             graphs.append(int8.graph)
-        manifest = stages.run("write", write_bundle, ctx, io, graphs, fp16, engine, int8)
+        manifest = stages.run("write", write_bundle, ctx, options, io, graphs, fp16, engine, int8)
     return ExportResult(target, manifest, stages.timings, fp16, engine.note if engine else "", int8)
+
+
+def check_nothing_dropped(target: Path, options: ExportOptions) -> None:
+    """An export rebuilds the whole bundle, so ``--overwrite`` refuses to drop what the bundle at
+    ``target`` has and this export would not rebuild: its FP16 graph without --fp16, its engine without
+    --fp16 or with no builder here, its INT8 graph without --int8 (BundleError saying what to add)."""
+    from mbert.bundle.manifest import read_raw
+
+    if not options.overwrite or not (target / MANIFEST).is_file():
+        return
+    try:
+        raw = read_raw(target)
+    except BundleError:  # another format: check_target let it be replaced whole
+        return
+    has = {g.get("precision") for g in raw.get("graphs") or () if isinstance(g, dict)}
+    dropped = []
+    if "fp16" in has and not options.fp16:
+        dropped.append(f"{FP16_GRAPH} (add --fp16)")
+    if raw.get("engine") and (not options.fp16 or options.family == "none" or not _builds_engine(options)):
+        dropped.append(f"{PLAN} (add --fp16 where a TensorRT builder is installed, or keep it with "
+                       "mbert-export --engine-only after exporting)")
+    if "int8" in has and not options.int8:
+        dropped.append(f"{INT8_GRAPH} (add --int8)")
+    if dropped:
+        raise BundleError(f"{target}: --overwrite rebuilds the whole bundle and would drop {'; '.join(dropped)}; "
+                          "name them again, or remove the bundle first")
+
+
+def _builds_engine(options: ExportOptions) -> bool:
+    from mbert.runtime.backends.family import resolve_family
+
+    try:
+        resolve_family(options.family)
+    except Exception:  # noqa: BLE001 - no builder here: the engine would be dropped
+        return False
+    return True
 
 
 def _check_builder(options: ExportOptions) -> None:
@@ -142,7 +149,7 @@ def _check_builder(options: ExportOptions) -> None:
     after the trace and the scan (``auto`` falls back to no engine with a note instead)."""
     if not options.fp16 or options.family not in ("tensorrt", "tensorrt-rtx"):
         return
-    from mbert.runtime.trt_family import builder_available
+    from mbert.runtime.backends.family import builder_available
 
     found = builder_available(options.family)
     if not found.ok:
@@ -183,10 +190,11 @@ def _progress(report: Reporter, jobs: Jobs) -> ProgressFn:
     return progress
 
 
-def load(source: str, options: ExportOptions, target: Path, staging: Path, texts: list[str]) -> Context:
-    """Config, options against it, tokenizer and ids, pooling, then the weights (strict, finite)."""
-    from mbert.modeling import resolve
-    from mbert.modeling.config import ModernBertConfig
+def load(source: str, options: ExportOptions, target: Path, staging: Path, texts: list[str], device: torch.device,
+         jobs: Jobs, progress: ProgressFn | None) -> Context:
+    """Config, options against it, tokenizer and ids, pooling, then the weights (strict, finite), and
+    the validation grid."""
+    from mbert.bundle.config import ModernBertConfig
 
     folder = resolve(source).path
     cfg = ModernBertConfig.from_file(folder / "config.json")
@@ -195,47 +203,40 @@ def load(source: str, options: ExportOptions, target: Path, staging: Path, texts
     pooling = load_pooling(folder) if cfg.task == "encoder" else None
     max_len = options.max_len_for(cfg, pooling.max_seq_length if pooling else None)
     tokenizer = load_tokenizer(folder)
-    check_token_ids(cfg, tokenizer, folder / "tokenizer.json")
+    check_token_ids(cfg, tokenizer, folder / TOKENIZER)
     model = load_model(source, task=options.task)
-    ctx = Context(source, options, target, staging, model, pooling, tokenizer, max_len, texts)
-    ctx.cases = build_cases(tokenizer, texts, default_grid(cfg.window_half_width, max_len),
-                            cfg.cls_token_id, cfg.sep_token_id, cfg.pad_token_id)
-    return ctx
+    cases = grid_cases(tokenizer, cfg, max_len, texts)
+    return Context(source, target, staging, model, pooling, tokenizer, max_len, options.opset, options.margin,
+                   tuple(texts), tuple(cases), device, jobs, progress)
 
 
 def trace(ctx: Context) -> None:
     """Start tracing ``model.onnx`` in the background: the FP32 graph in ONNX Runtime's form (fused
-    attention, ``mbert.export.lowering``). :func:`validate` collects it."""
-    ctx.jobs.start("trace", to_onnx, ctx.model, ctx.staging / FP32_FILE, pooling=ctx.pooling,
-                   opset=ctx.options.opset, max_seq_len=ctx.max_len, target="onnxruntime")
+    attention, ``mbert.export.onnx.lowering``). :func:`validate` collects it."""
+    ctx.jobs.start("trace", to_onnx, ctx.model, ctx.staging / FP32_GRAPH, pooling=ctx.pooling,
+                   opset=ctx.opset, max_seq_len=ctx.max_len, target="onnxruntime")
 
 
-def validate_graph(ctx: Context, file: str, precision: str, stage: str) -> ValidationReport:
-    """``file`` of the staging folder on ONNX Runtime against the eager FP32 model, on the grid."""
-    run = onnx_runner(ctx.staging / file, threads=ctx.jobs.cpu_threads() if ctx.jobs else None)
-    report = compare(file, run, ctx.reference, ctx.cases, tolerances_for(precision, ctx.graph.output_names),
-                     case_progress(stage, ctx.model.config, ctx.cases, ctx.progress))
-    report.raise_if_failed()
-    return report
-
-
-def validate(ctx: Context) -> tuple[IO, GraphRecord]:
+def validate(ctx: Context) -> tuple[IO, GraphRecord, ReferenceOutputs]:
     """The eager reference outputs (on --device, while a trace may still run), then ``model.onnx``
-    (waiting for its trace) against them."""
-    ctx.reference = ReferenceOutputs(ctx.graph, device=ctx.device).precompute(ctx.cases, ctx.progress)
+    (waiting for its trace) against them; the reference outputs are returned for the later stages."""
+    reference = ReferenceOutputs(ctx.graph, device=ctx.device).precompute(ctx.cases, ctx.progress)
     specs = ctx.jobs.collect("trace")
     io = IO(tuple(s for s in specs if s.dtype == "int64"), tuple(s for s in specs if s.dtype != "int64"))
-    report = validate_graph(ctx, FP32_FILE, "fp32", "validate")
-    return io, GraphRecord(FP32_FILE, "fp32", TARGET_INFO["onnxruntime"].runtimes,
-                           graph_opset(ctx.staging / FP32_FILE), report)
+    run = onnx_runner(ctx.staging / FP32_GRAPH, threads=ctx.jobs.cpu_threads())
+    report = compare(FP32_GRAPH, run, reference, ctx.cases, tolerances_for("fp32", ctx.graph.output_names),
+                     case_progress("validate", ctx.model.config, ctx.cases, ctx.progress))
+    report.raise_if_failed()
+    graph = GraphRecord(FP32_GRAPH, "fp32", TARGET_INFO["onnxruntime"].runtimes, graph_opset(ctx.staging / FP32_GRAPH),
+                        report)
+    return io, graph, reference
 
 
-def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod.Fp16Outcome | None,
+def write_bundle(ctx: Context, options: ExportOptions, io: IO, graphs: list[GraphRecord], fp16: fp16_mod.Fp16Outcome | None,
                  engine: EngineOutcome | None, int8: int8_stage.Int8Outcome | None = None) -> Manifest:
     """Side files, Triton repository, and the sealed manifest."""
+    from mbert.export.triton.writer import record_of, spec_for, write_triton_repository
     from mbert.modeling.checkpoint import copy_side_files
-
-    from .triton import record_of, spec_for, write_triton_repository
 
     cfg, resolved = ctx.model.config, ctx.model.source
     copy_side_files(resolved.path, ctx.staging)
@@ -247,7 +248,7 @@ def write_bundle(ctx: Context, io: IO, graphs: list[GraphRecord], fp16: fp16_mod
         max_seq_len=ctx.max_len, io=io, pooling=ctx.pooling, graphs=tuple(graphs),
         precision=(replace(fp16.record, naive_fp16_tensorrt=engine.naive) if engine else fp16.record) if fp16 else None,
         engine=engine.record if engine else None, int8=int8.record if int8 else None)
-    spec = spec_for(manifest, max_batch=ctx.options.max_batch, encoder=ctx.options.triton_encoder)
+    spec = spec_for(manifest, max_batch=options.max_batch, encoder=options.triton_encoder)
     write_triton_repository(ctx.staging, spec)
     return write(ctx.staging, replace(manifest, triton=record_of(spec)))
 
@@ -256,7 +257,7 @@ def _tool_versions() -> dict[str, str]:
     import onnx
     import onnxruntime
 
-    from . import __version__
+    from mbert.export import __version__
 
     return {"mbert-export": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .device import fp32_reference, model_on, resolve_device
-from .progress import ProgressFn, case_progress
+from mbert.export.device import fp32_reference, model_on, resolve_device
+from mbert.export.progress import ProgressFn, case_progress
 
 CACHE_BYTES = 1 << 30  # outputs kept in memory; beyond that a case is recomputed when asked for
 

@@ -7,7 +7,7 @@ import click
 
 from mbert.bundle.int8 import plan_table, summary_lines
 from mbert.bundle.validation import ValidationReport
-from mbert.runtime.info import table
+from mbert.runtime.cli.info import table
 
 _KINDS = ("residual", "attention", "mlp")
 

@@ -1,19 +1,17 @@
-"""mbert.modeling: the export-ready ModernBERT, its config, checkpoint loader and pooling.
+"""mbert.modeling: the export-ready ModernBERT in PyTorch, its strict checkpoint loader, the pooling
+module, and random-weight checkpoints. It builds on :mod:`mbert.bundle`, the torch-free contract
+(config, pooling declaration, output contract, errors).
 
-Names are imported on first use, so ``import mbert.modeling.errors`` (every command line's error
-handling, Triton's Python models) does not load torch.
+Names are imported on first use, so importing the package does not load torch.
 """
 from __future__ import annotations
 
-from .lazy import lazy_exports
+from mbert.bundle.lazy import lazy_exports
 
 _EXPORTS = {
     "ResolvedSource": ".checkpoint", "load_config": ".checkpoint", "load_model": ".checkpoint",
-    "resolve": ".checkpoint", "ModernBertConfig": ".config", "ModernBertModel": ".model", "MASK_FILL": ".model",
-    "build_model": ".model", "Pooling": ".pooling", "PoolingConfig": ".pooling", "load_pooling": ".pooling",
-    **{name: ".errors" for name in (
-        "BundleError", "CheckpointError", "ConfigError", "EngineError", "ExportError", "MbertError", "OptionError",
-        "PoolingError", "PrecisionError", "TextFileError", "TokenizerError", "ValidationError")},
+    "resolve": ".checkpoint", "ModernBertModel": ".model", "build_model": ".model", "Pooling": ".pooling",
+    "load_pooling": ".pooling", "GraphModule": ".graph", "eager_runner": ".graph",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,16 +8,18 @@ is reported together in one :class:`CheckpointError` naming the file.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import ModernBertConfig
-from .errors import CheckpointError, read_json
-from .model import build_model, encoder_of
-from .paths import inside
+from mbert.bundle.config import ModernBertConfig
+from mbert.bundle.errors import CheckpointError
+from mbert.bundle.files import check_regular, read_json
+from mbert.bundle.paths import inside
+from mbert.modeling.model import build_model, encoder_of
 
 # Files a bundle or the runtime may need besides the weights.
 SIDE_FILES = (
@@ -247,9 +249,9 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
     confined to the checkpoint (and so to ``dst``): CheckpointError naming the entry otherwise."""
     import shutil
 
-    names = [n for n in SIDE_FILES if "*" not in n and (src / n).is_file()]
+    names = [n for n in SIDE_FILES if "*" not in n and os.path.lexists(src / n)]
     modules = src / "modules.json"
-    if modules.is_file():
+    if os.path.lexists(modules):
         entries = read_json(modules, CheckpointError)
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             raise CheckpointError(f"{modules}: expected a list of module objects")
@@ -257,9 +259,13 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
             sub = entry.get("path") or ""
             if sub:
                 rel = f"{sub.rstrip('/')}/config.json"
-                if inside(src, rel, f"{modules}: [{i}].path", CheckpointError).is_file():
+                if os.path.lexists(inside(src, rel, f"{modules}: [{i}].path", CheckpointError)):
                     names.append(rel)
     for name in names:
+        check_regular(src / name, CheckpointError)
         (dst / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src / name, dst / name)
+        try:
+            shutil.copyfile(src / name, dst / name)  # a new file with the umask's mode, not the source's
+        except OSError as exc:  # name the file being written (a full disk is the bundle's, not the source's)
+            raise type(exc)(exc.errno, exc.strerror or str(exc), str(dst / name)) from exc
     return names

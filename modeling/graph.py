@@ -1,52 +1,14 @@
-"""The output contract of an exported graph, and the module that computes it.
-
-One table (:func:`output_specs`) says which outputs a bundle of a given task and pooling has, with
-their dtypes and shapes. :class:`GraphModule` (what ``mbert.export.onnx.to_onnx`` traces), the
-runtime's checks of a bundle and the Triton repository writer all read it, so the three cannot
-disagree.
-"""
+"""The module an exported graph computes: the eager model, then pooling, with the outputs the
+contract (:func:`mbert.bundle.tensors.output_specs`) names; and the eager FP32 runner."""
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from .pooling import PoolingConfig
-
-INPUT_NAMES = ("input_ids", "attention_mask")
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One graph input or output: its name, dtype (numpy spelling) and shape; a str dimension is
-    symbolic (``"batch"``, ``"sequence"``)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int | str, ...]
-
-
-def input_specs() -> tuple[TensorSpec, ...]:
-    return tuple(TensorSpec(n, "int64", ("batch", "sequence")) for n in INPUT_NAMES)
-
-
-def output_specs(task: str, *, hidden_size: int, vocab_size: int, num_labels: int,
-                 pooling_modes: tuple[str, ...] | None) -> tuple[TensorSpec, ...]:
-    """The outputs a graph of ``task`` has; ``pooling_modes`` (encoder only) adds ``sentence_embedding``."""
-    if task == "encoder":
-        specs = [TensorSpec("last_hidden_state", "float32", ("batch", "sequence", hidden_size))]
-        if pooling_modes:
-            specs.append(TensorSpec("sentence_embedding", "float32", ("batch", hidden_size * len(pooling_modes))))
-        return tuple(specs)
-    logits = {
-        "masked-lm": ("batch", "sequence", vocab_size),
-        "sequence-classification": ("batch", num_labels),
-        "token-classification": ("batch", "sequence", num_labels),
-    }[task]
-    return (TensorSpec("logits", "float32", logits),)
+from mbert.bundle.pooling import PoolingConfig
+from mbert.bundle.tensors import Runner, TensorSpec, output_specs
+from mbert.modeling.pooling import Pooling
 
 
 class GraphModule(nn.Module):
@@ -57,7 +19,7 @@ class GraphModule(nn.Module):
         super().__init__()
         self.model = model
         self.task = model.config.task
-        self.pooling = pooling.module() if pooling is not None and self.task == "encoder" else None
+        self.pooling = Pooling.of(pooling) if pooling is not None and self.task == "encoder" else None
 
     def output_specs(self) -> tuple[TensorSpec, ...]:
         cfg = self.model.config
@@ -74,8 +36,6 @@ class GraphModule(nn.Module):
             return out
         return out, self.pooling(out, attention_mask)  # [B, T, D], [B, D']
 
-
-Runner = Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]
 
 
 def eager_runner(graph: GraphModule) -> Runner:

@@ -11,7 +11,7 @@ mask is built from positions with constant shapes. The arithmetic is the one in
   the explicit form for global layers at 4 x 512 .. 1 x 8192 and 1.3-2x for local blocks, equal
   to assert_close's FP32 tolerance, ``tests/test_local_attention.py``; written for CUDA too, not
   measured on a GPU here). Exported graphs get the form of their target runtime
-  (``mbert.export.lowering``): fused ``MultiHeadAttention`` for ONNX Runtime, standard ops in
+  (``mbert.export.onnx.lowering``): fused ``MultiHeadAttention`` for ONNX Runtime, standard ops in
   TensorRT's fusion pattern for TensorRT. The scan measures the scores from q and k (``Probe``).
 * Local (sliding-window) layers use *blocked* attention: the padded sequence is cut into blocks
   of ``local_attention // 2`` queries, each block attends to itself and its two neighbours
@@ -25,7 +25,7 @@ mask is built from positions with constant shapes. The arithmetic is the one in
 * Precision follows the weights (the usual PyTorch idiom): a layer's residual stream is kept in
   the dtype of its norm weights, attention and MLP compute in the dtype of their matrices, and
   softmax and LayerNorm statistics are always FP32. In an all-FP32 model every cast is a no-op;
-  ``mbert.export.precision.to_mixed_precision`` sets dtypes per layer from a measured plan and
+  ``mbert.export.fp16.precision.to_mixed_precision`` sets dtypes per layer from a measured plan and
   the same code then traces to an ONNX graph with explicit ``Cast`` nodes at every boundary.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModernBertConfig
+from mbert.bundle.config import ModernBertConfig
 
 MASK_FILL = -65504.0  # most negative finite float16; finite in float32 and bfloat16 too
 # Additive bias for hidden keys. exp(-1e4) is 0 in every float type, and s - 1e4 stays finite in
@@ -129,7 +129,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     bias: additive FP32 [B, 1, *blocks, Lq or 1, Lk] (finite, ``MASK_BIAS`` on hidden keys), the
     same for every head. Returns [B, H, *blocks, Lq, dv] in v's dtype. Eager: PyTorch's
     ``scaled_dot_product_attention`` (fused, FP32 softmax statistics); ONNX: the translations in
-    ``mbert.export.lowering`` (standard ops for TensorRT, a fused kernel for ONNX Runtime).
+    ``mbert.export.onnx.lowering`` (standard ops for TensorRT, a fused kernel for ONNX Runtime).
     """
     batch = q.shape[:1] + q.shape[2:-2]  # (B, *blocks): one batch axis, heads just before the sequence
     q4, k4, v4 = (x.movedim(1, -3).flatten(0, -4) for x in (q, k, v))  # [N, H, L, d]

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import ModernBertConfig
-from .errors import CheckpointError
-from .model import LayerNorm, build_model
+from mbert.bundle.config import ModernBertConfig
+from mbert.bundle.errors import CheckpointError
+from mbert.modeling.model import LayerNorm, build_model
 
 RANDOM_KEY = "mbert_random_weights"
 PRESETS = {

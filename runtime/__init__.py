@@ -11,25 +11,25 @@ cheap; the heavy modules (torch, onnxruntime, tokenizers) load when an Encoder o
 """
 from __future__ import annotations
 
-from mbert.modeling.lazy import lazy_exports
+from mbert.bundle.lazy import lazy_exports
 
 _EXPORTS = {
     "Encoder": ".encoder",
     "EncodeStats": ".text",
-    "Backend": ".backends",
-    "BackendStatus": ".backends",
-    "OrtBackend": ".backends",
-    "TensorRTBackend": ".backends",
-    "EagerBackend": ".backends",
-    "open_backend": ".backends",
-    "backend_statuses": ".backends",
-    "padded_length": ".backends",
-    "engine_compatibility": ".checks",
-    "can_run": ".checks",
-    "check_engine": ".checks",
     "pool": ".text",
     "plan_batches": ".text",
-    "TritonEncoder": ".triton_client",
+    "Backend": ".backends",
+    "BackendStatus": ".backends",
+    "open_backend": ".backends",
+    "backend_statuses": ".backends",
+    "OrtBackend": ".backends.onnxruntime",
+    "TensorRTBackend": ".backends.tensorrt",
+    "EagerBackend": ".eager",
+    "padded_length": ".text",
+    "engine_compatibility": ".backends.checks",
+    "can_run": ".backends.checks",
+    "check_engine": ".backends.checks",
+    "TritonEncoder": ".serve.client",
 }
 
 __all__ = sorted(_EXPORTS)

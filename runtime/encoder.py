@@ -19,12 +19,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mbert.bundle import Bundle, open_bundle
-from mbert.modeling.errors import OptionError
-from mbert.modeling.tokenizer import pad_batch
-
-from . import checks
-from .backends import Backend, open_backend
-from .text import EncodeStats, TextEncoder, l2_normalize, plan_batches, pool, softmax
+from mbert.bundle.errors import OptionError
+from mbert.bundle.names import TOKENIZER
+from mbert.bundle.tokenizer import pad_batch
+from mbert.runtime.backends import Backend, open_backend
+from mbert.runtime.text import EncodeStats, TextEncoder, l2_normalize, plan_batches, pool, softmax
 
 log = logging.getLogger("mbert.runtime")
 DEFAULT_BATCH_SIZE = 32
@@ -56,7 +55,7 @@ class Encoder:
         self.pad_id: int = m.pad_token_id
         self._special = {i for i in (m.cls_token_id, m.sep_token_id, m.pad_token_id) if i is not None}
         self.labels = {int(k): v for k, v in (self.manifest.labels or {}).items()}
-        self.text = TextEncoder(bundle.path_of("tokenizer.json"), self.max_length)
+        self.text = TextEncoder(bundle.path_of(TOKENIZER), self.max_length)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._warned_truncation = self._warned_pooling = False
@@ -76,7 +75,7 @@ class Encoder:
         ``auto`` uses the TensorRT plan only where its family's rules let it run here; asked for by
         name, a plan that cannot run here is refused (BundleError saying why): rebuild it, or pass
         ``backend="onnxruntime"``. A plan exported "built, not yet run" runs the parity grid on its
-        first open on a GPU and is refused if it fails (:mod:`mbert.runtime.verdicts`).
+        first open on a GPU and is refused if it fails (:mod:`mbert.runtime.backends.verdicts`).
         ``verify=False`` skips hashing the files (the manifest is still cross-checked).
         """
         bundle = open_bundle(path, verify=verify)
@@ -259,22 +258,18 @@ class Encoder:
         """Run this Encoder's backend and the eager PyTorch model on the same real-text cases (the
         built-in set by default, over ``default_grid`` capped at ``max_len`` tokens); returns the
         export's ``ValidationReport``, judged by the export's stated tolerance for this precision."""
-        from mbert.bundle.texts import calibration_texts
-        from mbert.bundle.validation import build_cases, compare, default_grid, tolerances_for
-        from mbert.modeling.graph import GraphModule, eager_runner
-        from mbert.modeling.tokenizer import load_tokenizer
+        from mbert.bundle.tokenizer import load_tokenizer
+        from mbert.bundle.validation import compare, grid_cases, tolerances_for
+        from mbert.runtime.eager import eager_reference
 
         _positive("max_len", max_len)
         if self.backend.name == "eager" and source is None:
             reference = self.backend.run
         else:
-            model = checks.load_eager_model(self.bundle, source or self.source)
-            reference = eager_runner(GraphModule(model, self.pooling).eval())
-        m = self.manifest.model
+            reference = eager_reference(self.bundle, source or self.source)
         cap = max(1, min(self.manifest.max_seq_len, max_len))
-        texts = _check_inputs(texts, pairs=False)[1] if texts is not None else calibration_texts()
-        cases = build_cases(load_tokenizer(self.bundle.path_of("tokenizer.json")), texts,
-                            default_grid(m.local_attention // 2, cap), m.cls_token_id, m.sep_token_id, self.pad_id)
+        texts = _check_inputs(texts, pairs=False)[1] if texts is not None else None
+        cases = grid_cases(load_tokenizer(self.bundle.path_of(TOKENIZER)), self.manifest.model, cap, texts)
 
         def run(ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
             B, T = ids.shape

@@ -1,4 +1,4 @@
-"""Tokenization, batching and pooling: the runtime's work around the backend call.
+"""Tokenization, padding, batching and pooling: the runtime's work around the backend call.
 
 Tokenization uses the bundle's own ``tokenizer.json`` through ``tokenizers`` (the Rust tokenizer
 transformers' fast tokenizers wrap), truncated like sentence-transformers (``longest_first`` to
@@ -7,7 +7,7 @@ Encoder opens and only read afterwards; ``tokenizers.Tokenizer`` is ``Sync`` in 
 encode calls take it by shared reference, so threads share it without a lock.
 
 Pooling here is the numpy twin of ``mbert.modeling.pooling.Pooling`` (the module inside the
-graph), used when pooling must happen outside the graph: prompt tokens excluded
+graph; the runtime imports no torch), used when pooling must happen outside the graph: prompt tokens excluded
 (``include_prompt: false``), the caller overriding normalization, or a bundle without pooling.
 """
 from __future__ import annotations
@@ -15,11 +15,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from mbert.modeling.tokenizer import load_tokenizer
+from mbert.bundle.errors import EngineError
+from mbert.bundle.pooling import MAX_FILL, MODES
+from mbert.bundle.tokenizer import load_tokenizer
 
 CHARS_PER_TOKEN = 12  # prefix length (per allowed token) at which very long texts are cut before tokenizing
 _WHITESPACE = re.compile(r"\s")
@@ -89,6 +91,49 @@ class TextEncoder:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
+# --- padding: the one rule of every backend ----------------------------------------------------------
+
+PAD_MULTIPLE = 8
+
+
+def round_up(n: int, multiple: int = PAD_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
+def padded_length(seq: int, batch: int, max_seq: int, profiles: Sequence[Any] | None = None) -> int:
+    """Length to pad a batch whose longest row has ``seq`` tokens: ``seq`` rounded up to a multiple of
+    8, capped at ``max_seq``; with TensorRT profiles, the smallest such length some profile covering
+    ``batch`` accepts (raised to the profile's minimum, capped at its maximum)."""
+    if not profiles:
+        return max(seq, min(round_up(seq), max_seq))
+    best = None
+    for p in profiles:
+        if not p.min[0] <= batch <= p.max[0] or seq > p.max[1]:
+            continue
+        length = min(max(round_up(seq), p.min[1]), p.max[1])
+        best = length if best is None else min(best, length)
+    if best is None:
+        listed = "; ".join(str(p) for p in profiles)
+        raise EngineError(f"no optimization profile accepts batch {batch} x {seq} tokens (profiles: {listed})")
+    return best
+
+
+class Padding:
+    """``pad_to`` and ``max_batch`` of a backend with ``max_seq`` and optional ``profiles``."""
+
+    max_seq: int
+    profiles: list | None = None
+
+    @property
+    def max_batch(self) -> int | None:
+        return max(p.max[0] for p in self.profiles) if self.profiles else None
+
+    def pad_to(self, seq: int, batch: int = 1) -> int:
+        return padded_length(seq, batch, self.max_seq, self.profiles)
+
+
+# --- batching --------------------------------------------------------------------------------------
+
 MIN_FILL = 0.75  # a row joins a batch only if it fills this share of the batch's padded length ...
 SHORT = 64  # ... unless the batch's padded length is at most this (short texts batch freely)
 
@@ -116,16 +161,33 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int,
 
 
 def pool(hidden: np.ndarray, mask: np.ndarray, modes: Sequence[str], normalize: bool) -> np.ndarray:
-    """The exporter's own pooling (``mbert.modeling.pooling.Pooling``, the module inside the graph) on
-    numpy arrays: [B, T, D], [B, T] 0/1 -> [B, D * len(modes)] float32."""
-    import torch
-
-    from mbert.modeling.pooling import Pooling
-
-    with torch.no_grad():
-        pooled = Pooling(tuple(modes), normalize)(torch.from_numpy(np.asarray(hidden, dtype=np.float32)),
-                                                  torch.from_numpy(np.asarray(mask)))
-    return pooled.numpy()
+    """The graph's pooling (``mbert.modeling.pooling.Pooling``) on numpy arrays, in float32:
+    [B, T, D], [B, T] 0/1 (right-padded; prompt positions may be zeroed) -> [B, D * len(modes)].
+    ``tests/test_runtime.py`` checks it equal to the module for every mode."""
+    hidden = np.asarray(hidden, dtype=np.float32)
+    keep = np.asarray(mask) != 0
+    m = keep.astype(np.float32)[..., None]  # [B, T, 1]
+    count = np.maximum(m.sum(axis=1), np.float32(1e-9))  # [B, 1]
+    rows = np.arange(hidden.shape[0])
+    out = []
+    for mode in modes:
+        if mode == "cls":  # first token the mask keeps (index 0 without an excluded prompt)
+            out.append(hidden[rows, keep.argmax(axis=1)])
+        elif mode == "max":
+            out.append(np.where(m > 0, hidden, np.float32(MAX_FILL)).max(axis=1))
+        elif mode == "mean":
+            out.append((hidden * m).sum(axis=1) / count)
+        elif mode == "mean_sqrt_len_tokens":
+            out.append((hidden * m).sum(axis=1) / np.sqrt(count))
+        elif mode == "weightedmean":
+            wm = m * np.arange(1, hidden.shape[1] + 1, dtype=np.float32)[None, :, None]
+            out.append((hidden * wm).sum(axis=1) / np.maximum(wm.sum(axis=1), np.float32(1e-9)))
+        elif mode == "lasttoken":
+            out.append(hidden[rows, np.maximum(keep.sum(axis=1) - 1, 0)])
+        else:
+            raise ValueError(f"pooling mode {mode!r} is not one of {', '.join(MODES)}")
+    pooled = out[0] if len(out) == 1 else np.concatenate(out, axis=-1)
+    return l2_normalize(pooled) if normalize else pooled.astype(np.float32, copy=False)
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:

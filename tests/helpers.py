@@ -9,6 +9,7 @@ then fail on each known porting mistake). ``SMALL`` is the one size preset of th
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -259,3 +260,13 @@ def cosines(a, b):
 
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def torch_blocker(folder: Path) -> dict[str, str]:
+    """An environment whose Pythons cannot import torch (``sys.modules["torch"] = None`` in a
+    ``sitecustomize`` on PYTHONPATH, inherited by every child Python): what a serving install without
+    the exporter's extra looks like to the code."""
+    (folder / "sitecustomize.py").write_text('import sys\nsys.modules["torch"] = None\n')
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(folder)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
+from mbert.bundle.errors import ExportError
 from mbert.export.background import Jobs
 from mbert.export.progress import Meter
-from mbert.modeling.errors import ExportError
 
 
 def _steps(n: int, progress=None) -> dict:

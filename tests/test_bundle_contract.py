@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import edit_manifest
+
 from mbert.bundle import open_bundle
+from mbert.bundle.errors import BundleError
 from mbert.bundle.manifest import manifest_digest
+from mbert.bundle.paths import check_relpath
 from mbert.bundle.schema import from_json
-from mbert.modeling.errors import BundleError
-from mbert.modeling.paths import check_relpath
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,19 +9,21 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from helpers import SMALL, make_checkpoint, random_batch
+
 from mbert.bundle import FORMAT_VERSION, open_bundle
+from mbert.bundle.errors import BundleError
 from mbert.bundle.texts import calibration_texts
+from mbert.bundle.tokenizer import load_tokenizer
 from mbert.bundle.validation import FP32_TOLERANCE, build_cases, compare, default_grid
-from mbert.export.onnx import graph_opset, to_onnx
+from mbert.export.onnx.trace import graph_opset, to_onnx
 from mbert.export.options import ExportOptions
 from mbert.export.pipeline import export_bundle
-from mbert.export.runners import onnx_runner
-from mbert.modeling import BundleError, load_model, load_pooling
+from mbert.modeling import load_model, load_pooling
 from mbert.modeling.graph import GraphModule, eager_runner
-from mbert.modeling.tokenizer import load_tokenizer
 from mbert.runtime import pool
+from mbert.runtime.backends.onnxruntime import onnx_runner
+
 VARIANTS = {
     "base": ("modernbert-base", "ModernBertModel", dict(SMALL, num_hidden_layers=4)),
     "large-widths": ("modernbert-large", "ModernBertModel", dict(num_hidden_layers=3)),

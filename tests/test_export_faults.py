@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import SMALL, make_checkpoint, write_json
+
 from mbert.bundle import open_bundle
 
 TINY = dict(SMALL, num_hidden_layers=2, local_attention=16)

@@ -10,24 +10,38 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import OUTLIER, random_batch
 from onnx import TensorProto, helper, numpy_helper
 
-from helpers import OUTLIER, random_batch
 from mbert.bundle import open_bundle
+from mbert.bundle.errors import PrecisionError
 from mbert.bundle.int8 import Int8Record
 from mbert.bundle.schema import from_json
 from mbert.bundle.texts import calibration_texts
+from mbert.bundle.tokenizer import load_tokenizer
 from mbert.bundle.validation import INT8_TOLERANCES, build_cases, default_grid, tolerances_for
-from mbert.export.int8 import (
-    S8, S8_7BIT, SensitivityReport, Site, _tail, budget_for, calibration_batches, combined_damage, emulated,
-    fp32_reference, integer_product, longest_prefix, matrix_sites, quantize_activation, select,
+from mbert.export.int8.check import check_graph, retrieval_set, retrieval_split, topk_agreement
+from mbert.export.int8.graph import integer_matmuls, kernels_run, quantize_graph, write_int8
+from mbert.export.int8.plan import (
+    S8,
+    S8_7BIT,
+    SensitivityReport,
+    Site,
+    _tail,
+    budget_for,
+    calibration_batches,
+    combined_damage,
+    emulated,
+    fp32_reference,
+    integer_product,
+    longest_prefix,
+    matrix_sites,
+    quantize_activation,
+    select,
 )
-from mbert.export.int8_check import check_graph, retrieval_set, retrieval_split, topk_agreement
-from mbert.export.int8_graph import integer_matmuls, kernels_run, quantize_graph, write_int8
-from mbert.export.runners import onnx_runner
-from mbert.modeling import PrecisionError, load_model, load_pooling
+from mbert.modeling import load_model, load_pooling
 from mbert.modeling.graph import GraphModule, eager_runner
-from mbert.modeling.tokenizer import load_tokenizer
+from mbert.runtime.backends.onnxruntime import onnx_runner
 
 LAYER, _, _ = OUTLIER
 WI = f"layers.{LAYER}.mlp.Wi"

@@ -10,12 +10,13 @@ import shutil
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers import RUNTIME_TEXTS as TEXTS
+from helpers import edit_manifest, random_batch
 
-from helpers import RUNTIME_TEXTS as TEXTS, edit_manifest, random_batch
+from mbert.bundle.errors import BundleError, OptionError
 from mbert.bundle.validation import INT8_TOLERANCES
-from mbert.export.runners import onnx_runner
-from mbert.modeling.errors import BundleError, OptionError
 from mbert.runtime import Encoder
+from mbert.runtime.backends.onnxruntime import onnx_runner
 from mbert.runtime.cli import main
 
 

@@ -7,9 +7,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from helpers import FIXTURES, make_checkpoint, tokenize
-from mbert.modeling import CheckpointError, ConfigError, ModernBertConfig, PoolingError, load_model, load_pooling
+
+from mbert.bundle.config import ModernBertConfig
+from mbert.bundle.errors import CheckpointError, ConfigError, PoolingError
+from mbert.modeling import Pooling, load_model, load_pooling
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +122,7 @@ def test_pooling_matches_sentence_transformers(tmp_path, layout, mode, normalize
     model = load_model(folder)
     ids, mask = tokenize(folder, texts, max_length=512)
     with torch.no_grad():
-        got = pooling.module()(model(ids, mask), mask).numpy()
+        got = Pooling.of(pooling)(model(ids, mask), mask).numpy()
     cos = (got * expected).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(expected, axis=-1)
     assert cos.min() >= 0.99999, cos
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)

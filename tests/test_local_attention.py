@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbert.modeling.config import ModernBertConfig
+from mbert.bundle.config import ModernBertConfig
 from mbert.modeling.model import MASK_BIAS, Attention, attention, global_bias, local_bias
 
 

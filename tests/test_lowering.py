@@ -9,15 +9,16 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from helpers import hf_reference, make_checkpoint, random_batch
 from onnx import TensorProto, helper, shape_inference
 
-from helpers import hf_reference, make_checkpoint, random_batch
-from mbert.export.lowering import TARGET_INFO, TARGETS, standard_attention, translation_table
-from mbert.export.onnx import export_targets
-from mbert.export.precision import LayerPlan, Plan, to_mixed_precision
-from mbert.export.runners import onnx_runner
+from mbert.bundle.errors import ExportError
+from mbert.export.fp16.precision import LayerPlan, Plan, to_mixed_precision
+from mbert.export.onnx.lowering import TARGET_INFO, TARGETS, standard_attention, translation_table
+from mbert.export.onnx.trace import export_targets
+from mbert.modeling import load_model
 from mbert.modeling.graph import GraphModule
-from mbert.modeling import ExportError, load_model
+from mbert.runtime.backends.onnxruntime import onnx_runner
 
 SMALL = dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=2, intermediate_size=192, local_attention=16)
 # right-padded batches around the block (8) and window (17) edges, padded rows in global layers too
@@ -65,7 +66,7 @@ def test_check_catches_a_dropped_padding_mask(exported, target):
 def test_check_catches_fused_attention_that_ignores_padding(exported, tmp_path):
     """A fused lowering that drops the folded key bias (MultiHeadAttention on the raw q, k, v) is
     caught by the same comparison: padding in global layers is really carried by the folded column."""
-    from mbert.export import lowering
+    from mbert.export.onnx import lowering
 
     model, ref, _ = exported
 

@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import hf_reference, make_checkpoint, random_batch, tokenize
+
 from mbert.modeling import load_model
 from mbert.modeling.model import LayerNorm
 

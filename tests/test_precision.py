@@ -6,16 +6,25 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from helpers import SMALL, make_checkpoint, random_batch
 from onnx import TensorProto, numpy_helper
 
-from helpers import SMALL, make_checkpoint, random_batch
+from mbert.bundle.errors import PrecisionError
+from mbert.export.fp16.precision import (
+    FP16_MAX,
+    LayerPlan,
+    Plan,
+    ScanReport,
+    SiteStat,
+    load_precision,
+    plan,
+    scan,
+    to_mixed_precision,
+)
 from mbert.export.options import ExportOptions
 from mbert.export.pipeline import export_bundle
-from mbert.export.precision import (
-    FP16_MAX, LayerPlan, Plan, ScanReport, SiteStat, load_precision, plan, scan, to_mixed_precision,
-)
-from mbert.export.runners import onnx_runner
-from mbert.modeling import PrecisionError, load_model, load_pooling
+from mbert.modeling import Pooling, load_model, load_pooling
+from mbert.runtime.backends.onnxruntime import onnx_runner
 
 OVERFLOW_LAYER = 1
 # Layer 1's MLP output matrix x30000: its output and the residual stream after it reach ~9e4,
@@ -104,7 +113,7 @@ def test_heavily_padded_fp16_batch_is_finite(overflow_bundle):
     assert all(np.isfinite(a).all() for a in out.values())
     model, pooling = load_model(folder), load_pooling(folder)
     with torch.no_grad():
-        want = pooling.module()(model(ids, mask), mask).numpy()
+        want = Pooling.of(pooling)(model(ids, mask), mask).numpy()
     got = out["sentence_embedding"]
     cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
     assert cos.min() >= 0.9999
@@ -136,7 +145,7 @@ def test_mixed_model_dtypes_follow_plan(overflow_bundle):
 
 
 def test_precision_json_round_trip(overflow_bundle, tmp_path):
-    from mbert.export.precision import save_precision
+    from mbert.export.fp16.precision import save_precision
 
     _, result = overflow_bundle
     report, p = load_precision(result.bundle / "precision.json")
@@ -175,9 +184,9 @@ def test_naive_conversion_of_the_mixed_graph_is_the_naive_fp32_conversion(tmp_pa
     aside) and the same outputs to 2 FP16 ulps, while the FP32 graph itself is farther than that."""
     import collections
 
-    from mbert.export.fp16 import write_naive_fp16
-    from mbert.export.onnx import to_onnx
-    from mbert.export.precision import LayerPlan, Plan
+    from mbert.export.fp16.naive import write_naive_fp16
+    from mbert.export.fp16.precision import LayerPlan, Plan
+    from mbert.export.onnx.trace import to_onnx
 
     model = load_model(make_checkpoint(tmp_path / "ck", seed=5, num_hidden_layers=3, **SMALL))
     to_onnx(model, tmp_path / "fp32.onnx", max_seq_len=512, target="tensorrt")

@@ -10,10 +10,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from helpers import MAX_LEN, PROMPTS, cosines, edit_manifest
+from helpers import RUNTIME_TEXTS as TEXTS
 
-from mbert.modeling.errors import BundleError
+from mbert.bundle.errors import BundleError
 from mbert.runtime import Encoder
-from helpers import MAX_LEN, PROMPTS, RUNTIME_TEXTS as TEXTS, cosines, edit_manifest
 
 
 @pytest.fixture(scope="module")

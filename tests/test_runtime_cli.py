@@ -8,11 +8,12 @@ import sys
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers import RUNTIME_TEXTS as TEXTS
+from helpers import edit_manifest
 
-from mbert.modeling.errors import BundleError
+from mbert.bundle.errors import BundleError
 from mbert.runtime import Encoder
 from mbert.runtime.cli import main
-from helpers import RUNTIME_TEXTS as TEXTS, edit_manifest
 
 
 @pytest.fixture(scope="module")

@@ -4,21 +4,22 @@ plus the backend plumbing that needs no bundle: padding rules, TensorRT compatib
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-
-from dataclasses import replace
+from helpers import LABELS, MAX_LEN
+from helpers import RUNTIME_TEXTS as TEXTS
+from trt_helpers import datacenter_record
 
 from mbert.bundle import Gpu, Profile, open_bundle
-from mbert.modeling.errors import BundleError, EngineError
+from mbert.bundle.errors import BundleError, EngineError
 from mbert.runtime import Encoder, check_engine, engine_compatibility, padded_length  # rules: test_tensorrt.py
 from mbert.runtime.backends import open_backend
-from mbert.runtime.checks import check_graph_io
-from mbert.runtime.trt_family import RTX_TARGETS, builder_available, current_gpu
-from helpers import LABELS, MAX_LEN, RUNTIME_TEXTS as TEXTS
-from trt_helpers import datacenter_record
+from mbert.runtime.backends.checks import check_graph_io
+from mbert.runtime.backends.cuda import current_gpu
+from mbert.runtime.backends.family import RTX_TARGETS, builder_available
 
 GPU = current_gpu()
 # A plan can be built and run here: a GPU, and datacenter TensorRT or TensorRT-RTX targeting it.
@@ -163,8 +164,8 @@ def test_plan_without_tensorrt_falls_back_or_explains(bundles):
 def test_tensorrt_backend_matches_onnx_runtime(bundles, tmp_path):  # pragma: no cover - needs a GPU
     import threading
 
-    from mbert.export.engine_only import build_for_bundle
     from mbert.export.options import ExportOptions
+    from mbert.export.tensorrt.engine_only import build_for_bundle
 
     copy = bundles.copy("mean-fp16", tmp_path / "b")
     build_for_bundle(copy, ExportOptions(fp16=True, max_batch=8))
@@ -189,7 +190,7 @@ def test_tensorrt_backend_matches_onnx_runtime(bundles, tmp_path):  # pragma: no
 @pytest.mark.filterwarnings("ignore:.*truncated")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to torch")
 def test_gpu_machine_without_tensorrt_or_ort_cuda(bundles):  # pragma: no cover - needs a GPU
-    from mbert.runtime.backends import _ort_cuda_available
+    from mbert.runtime.backends.onnxruntime import cuda_available
 
     assert GPU is not None and GPU.name
     opened = open_bundle(bundles.bundle("cls"))
@@ -199,7 +200,7 @@ def test_gpu_machine_without_tensorrt_or_ort_cuda(bundles):  # pragma: no cover 
     ort = Encoder.from_bundle(bundles.bundle("cls"), backend="onnxruntime", device="cpu")
     np.testing.assert_allclose(eager.encode(TEXTS), ort.encode(TEXTS), atol=2e-3)
     assert eager.check_parity(max_len=256, source=bundles.checkpoint("cls")).passed  # CUDA eager vs CPU eager
-    if not TRT_OK and not _ort_cuda_available()[0]:
+    if not TRT_OK and not cuda_available()[0]:
         assert open_backend(opened, "auto").name == "onnxruntime-cpu"
         with pytest.raises(BundleError, match="neither TensorRT nor ONNX Runtime CUDA"):
             open_backend(opened, "auto", device="cuda")

@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import make_checkpoint, random_batch
+
+from mbert.bundle.errors import ExportError
 from mbert.export.device import resolve_device
-from mbert.export.precision import EXACT_SCORES_ABOVE, _quantile, plan, scan, tensor_stats
-from mbert.modeling import ExportError, load_model
+from mbert.export.fp16.precision import EXACT_SCORES_ABOVE, _quantile, plan, scan, tensor_stats
+from mbert.modeling import load_model
 
 SMALL = dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=2, intermediate_size=192, local_attention=16)
 

@@ -1,11 +1,11 @@
-"""mbert.export.scopes: ONNX node -> (layer, module) from the exporter's name-scope metadata."""
+"""mbert.export.onnx.scopes: ONNX node -> (layer, module) from the exporter's name-scope metadata."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
 
-from mbert.export.scopes import NAME_SCOPES, Scope, node_scopes, scope_of_path
+from mbert.export.onnx.scopes import NAME_SCOPES, Scope, node_scopes, scope_of_path
 
 
 @pytest.mark.parametrize("path, want, group", [

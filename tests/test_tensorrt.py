@@ -12,20 +12,32 @@ import sys
 
 import numpy as np
 import pytest
+from trt_helpers import datacenter_record, rtx_record
 
-from mbert.bundle.engine import STATUS_NOT_RUN, STATUS_VALIDATED, BuilderOptions, EngineRecord, EngineValidation, Gpu, \
-    Profile, parse_capability
+from mbert.bundle.engine import (
+    STATUS_NOT_RUN,
+    STATUS_VALIDATED,
+    BuilderOptions,
+    EngineRecord,
+    EngineValidation,
+    Gpu,
+    Profile,
+    parse_capability,
+)
+from mbert.bundle.errors import BundleError, EngineError, OptionError
 from mbert.bundle.schema import from_json, to_json
 from mbert.bundle.validation import ValidationReport
 from mbert.export.options import ExportOptions
-from mbert.export.trt_build import profiles_from
-from mbert.modeling.errors import BundleError, EngineError, OptionError
-from mbert.runtime.checks import can_run, engine_compatibility
-from mbert.runtime.tensorrt import select_profile
-from mbert.runtime.trt_family import (
-    PORTABLE_CAPABILITIES, builder_available, resolve_family, runtime_version, version_problem,
+from mbert.export.tensorrt.build import profiles_from
+from mbert.runtime.backends.checks import can_run, engine_compatibility
+from mbert.runtime.backends.family import (
+    PORTABLE_CAPABILITIES,
+    builder_available,
+    resolve_family,
+    runtime_version,
+    version_problem,
 )
-from trt_helpers import datacenter_record, rtx_record
+from mbert.runtime.backends.tensorrt import select_profile
 
 DATACENTER_INSTALLED = importlib.util.find_spec("tensorrt") is not None
 RTX_3090 = Gpu("NVIDIA GeForce RTX 3090", "8.6")
@@ -137,8 +149,8 @@ def test_auto_picks_the_installed_builder_and_says_which():
 
 
 def test_importing_the_modules_does_not_import_tensorrt():
-    code = ("import sys, mbert.export.engine, mbert.export.engine_only, mbert.export.trt_build, mbert.export.trt_precision, "
-            "mbert.runtime.checks, mbert.runtime.tensorrt, mbert.runtime.backends, mbert.runtime.verdicts; "
+    code = ("import sys, mbert.export.tensorrt.stage, mbert.export.tensorrt.engine_only, mbert.export.tensorrt.build, mbert.export.tensorrt.precision, "
+            "mbert.runtime.backends.checks, mbert.runtime.backends.tensorrt, mbert.runtime.backends, mbert.runtime.backends.verdicts; "
             "print(sorted(m for m in ('tensorrt', 'tensorrt_rtx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

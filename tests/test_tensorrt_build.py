@@ -13,16 +13,24 @@ import types
 import numpy as np
 import pytest
 import tensorrt_rtx
+from trt_helpers import overflow_graphs, rtx_record
 
 from mbert.bundle.engine import BuilderOptions, TensorRTVerdict
-from mbert.export.trt_build import (
-    _configure, _targets, build_engine, build_log_text, network_flags, parse_onnx, profiles_from, tensorrt_verdict,
+from mbert.bundle.errors import EngineError
+from mbert.export.tensorrt.build import (
+    _configure,
+    _targets,
+    build_engine,
+    build_log_text,
+    network_flags,
+    parse_onnx,
+    profiles_from,
+    tensorrt_verdict,
 )
-from mbert.modeling.errors import EngineError
-from mbert.runtime.checks import can_run
-from mbert.runtime.tensorrt import rtx_plan_validity
-from mbert.runtime.trt_family import PORTABLE_CAPABILITIES, current_gpu
-from trt_helpers import overflow_graphs, rtx_record
+from mbert.runtime.backends.checks import can_run
+from mbert.runtime.backends.cuda import current_gpu
+from mbert.runtime.backends.family import PORTABLE_CAPABILITIES
+from mbert.runtime.backends.checks import rtx_plan_validity
 
 GPU = current_gpu()
 PROFILES = profiles_from(4, 256, split_seq=[128])  # two profiles: 1..128 and 129..256 tokens
@@ -82,7 +90,7 @@ def test_plan_is_judged_by_its_targets_and_tensorrt_rtx(built):
 
 @pytest.mark.skipif(GPU is not None, reason="checks what happens without a GPU")
 def test_without_a_gpu_the_plan_cannot_be_loaded_and_says_why(built):
-    from mbert.runtime.tensorrt import TensorRTRunner, load_engine
+    from mbert.runtime.backends.tensorrt import TensorRTRunner, load_engine
 
     _, out = built
     with pytest.raises(EngineError, match=r"TensorRT-RTX .* cannot load .*model.plan .*deserializeCudaEngine"):
@@ -173,7 +181,7 @@ def test_parser_errors_are_engine_errors(tmp_path):
 def test_rtx_engine_runs_and_matches_onnxruntime(graphs, tmp_path):  # pragma: no cover - needs a GPU
     import onnxruntime as ort
 
-    from mbert.runtime.tensorrt import TensorRTRunner
+    from mbert.runtime.backends.tensorrt import TensorRTRunner
 
     plan = build_engine(graphs.fp16, tmp_path / "model.plan", PROFILES, family="tensorrt-rtx",
                         compute_capabilities=[GPU.compute_capability])

@@ -16,18 +16,18 @@ from dataclasses import replace
 import pytest
 import tensorrt_rtx
 from click.testing import CliRunner
+from trt_helpers import RTX_EXPORT_TARGETS
 
 from mbert.bundle import Profile, open_bundle
 from mbert.bundle.engine import STATUS_NOT_RUN, EngineValidation, Gpu
+from mbert.bundle.errors import BundleError, EngineError
 from mbert.bundle.schema import from_json
-from mbert.export.fp16 import write_naive_fp16
-from mbert.export.precision import load_precision
-from mbert.modeling.errors import BundleError, EngineError
+from mbert.export.fp16.naive import write_naive_fp16
+from mbert.export.fp16.precision import load_precision
 from mbert.runtime.backends import backend_statuses, open_backend
-from mbert.runtime.checks import check_engine, engine_compatibility
-from mbert.runtime.trt_family import current_gpu
-from mbert.runtime.verdicts import EngineVerdict, first_open_check
-from trt_helpers import RTX_EXPORT_TARGETS
+from mbert.runtime.backends.checks import check_engine, engine_compatibility
+from mbert.runtime.backends.cuda import current_gpu
+from mbert.runtime.backends.verdicts import EngineVerdict, first_open_check
 
 GPU = current_gpu()
 RTX_3090 = Gpu("NVIDIA GeForce RTX 3090", "8.6")

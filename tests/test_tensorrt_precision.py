@@ -10,15 +10,15 @@ import re
 import onnx
 import pytest
 import tensorrt_rtx
-
-from mbert.export.precision import Plan
-from mbert.export.scopes import node_scopes
-from mbert.bundle.engine import PrecisionWalk
-from mbert.bundle.schema import from_json, to_json
-from mbert.export.trt_build import parse_onnx
-from mbert.export.trt_precision import expected_precision, save_walk, walk_parsed, walk_precision
-from mbert.modeling.errors import PrecisionError
 from trt_helpers import OVERFLOW_LAYER, overflow_graphs
+
+from mbert.bundle.engine import PrecisionWalk
+from mbert.bundle.errors import PrecisionError
+from mbert.bundle.schema import from_json, to_json
+from mbert.export.fp16.precision import Plan
+from mbert.export.onnx.scopes import node_scopes
+from mbert.export.tensorrt.build import parse_onnx
+from mbert.export.tensorrt.precision import expected_precision, save_walk, walk_parsed, walk_precision
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_expected_precision_reads_the_plan(graphs):
 
 def test_walk_of_a_network_already_built(graphs, tmp_path):
     """The export walks the very network it built: building leaves the parsed network as it was."""
-    from mbert.export.trt_build import build_parsed, profiles_from
+    from mbert.export.tensorrt.build import build_parsed, profiles_from
 
     parsed = parse_onnx(graphs.fp16, "tensorrt-rtx")
     build_parsed(parsed, graphs.fp16, tmp_path / "model.plan", profiles_from(2, 64), compute_capabilities=["8.6"])

@@ -8,11 +8,11 @@ import pytest
 from mbert.bundle.texts import calibration_texts, load_text_file
 
 try:
-    from mbert.modeling.errors import TextFileError
+    from mbert.bundle.errors import TextFileError
 except ImportError:  # pragma: no cover - the errors module is written separately
     TextFileError = None
 
-needs_errors = pytest.mark.skipif(TextFileError is None, reason="mbert.modeling.errors.TextFileError missing")
+needs_errors = pytest.mark.skipif(TextFileError is None, reason="mbert.bundle.errors.TextFileError missing")
 
 
 # ----------------------------------------------------------------------------- built-in set
@@ -127,7 +127,7 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, bad_line):
 
 @needs_errors
 def test_text_file_error_is_an_mbert_error(tmp_path):
-    from mbert.modeling.errors import MbertError
+    from mbert.bundle.errors import MbertError
 
     with pytest.raises(MbertError):
         load_text_file(tmp_path / "missing.jsonl")

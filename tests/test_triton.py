@@ -15,14 +15,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
-from mbert.export.pbtxt import Enum, to_pbtxt  # noqa: E402
 from mbert.bundle import Profile  # noqa: E402
-from mbert.export.trt_build import profiles_from  # noqa: E402
-from mbert.export.triton import TritonSpec, default_buckets, write_triton_repository  # noqa: E402
-from mbert.modeling.errors import BundleError  # noqa: E402
+from mbert.bundle.errors import BundleError  # noqa: E402
+from mbert.export.tensorrt.build import profiles_from  # noqa: E402
+from mbert.export.triton.pbtxt import Enum, to_pbtxt  # noqa: E402
+from mbert.export.triton.writer import TritonSpec, default_buckets, write_triton_repository  # noqa: E402
 from mbert.modeling.graph import TensorSpec  # noqa: E402
-from mbert.runtime import triton_models  # noqa: E402
-from mbert.runtime.serve import ensembles, serving_copy, set_ensemble_encoder  # noqa: E402
+from mbert.runtime.serve import models as triton_models  # noqa: E402
+from mbert.runtime.serve.server import ensembles, serving_copy, set_ensemble_encoder  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HIDDEN = 8
@@ -228,7 +228,7 @@ def test_repository_without_plan(bundle: Path):
         "batch_size": "8", "max_batch_tokens": "16384"}
     for model in ("tiny-embed_tokenizer", "tiny-embed_python"):
         code = (repo / model / "1" / "model.py").read_text()
-        assert "from mbert.runtime.triton_models import TritonPythonModel" in code
+        assert "from mbert.runtime.serve.models import TritonPythonModel" in code
     assert (repo / "tiny-embed_python/1/model.onnx").read_bytes() == \
         (bundle / "model.onnx").read_bytes()
 
@@ -366,9 +366,9 @@ def test_switch_encoder_without_reexport(bundle: Path):
 # --- the Python models' plain functions ------------------------------------------------------------
 
 def test_package_never_imports_the_template():
-    import mbert.export.triton  # noqa: F401
+    import mbert.export.triton.writer  # noqa: F401
 
-    assert "mbert.export.triton_model" not in sys.modules
+    assert "mbert.export.triton.model_template" not in sys.modules
 
 
 def test_decode_texts_names_the_bad_row():
@@ -413,7 +413,7 @@ def test_serving_copy_switches_the_encoder_and_leaves_the_bundle_alone(bundle: P
 def test_serve_command_refuses_what_is_not_a_verified_bundle(bundle: Path, tmp_path: Path):
     from click.testing import CliRunner
 
-    from mbert.runtime.serve_cli import serve
+    from mbert.runtime.cli.serve import serve
 
     write_triton_repository(bundle, make_spec())
     result = CliRunner().invoke(serve, [str(bundle)])  # a repository, but no sealed manifest

@@ -20,18 +20,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import SMALL, make_checkpoint
+
 from mbert.bundle import open_bundle
+from mbert.bundle.errors import MbertError
 from mbert.bundle.texts import calibration_texts
 from mbert.export.options import ExportOptions
 from mbert.export.pipeline import export_bundle
-from mbert.export.trt_build import profiles_from
-from mbert.export.triton import spec_for, write_triton_repository
-from mbert.modeling.errors import MbertError
+from mbert.export.tensorrt.build import profiles_from
+from mbert.export.triton.writer import spec_for, write_triton_repository
 from mbert.runtime import Encoder, TritonEncoder
-from mbert.runtime.serve import ServeError, TritonServer, find_tritonserver, prepare_backends
-from mbert.runtime.triton_models import TRUNCATED_METRIC
+from mbert.runtime.serve.models import TRUNCATED_METRIC
+from mbert.runtime.serve.server import ServeError, TritonServer, find_tritonserver, prepare_backends
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 pytest.importorskip("tritonclient.grpc")
@@ -324,7 +324,7 @@ def test_concurrent_load(served):
 
 def test_serve_command_starts_answers_and_stops_on_signal(served):
     sealed = served.bundle.parent / "sealed"
-    command = [sys.executable, "-c", "from mbert.runtime.serve_cli import serve; serve()", str(sealed),
+    command = [sys.executable, "-c", "from mbert.runtime.cli.serve import serve; serve()", str(sealed),
                "--ready-timeout", "240"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)

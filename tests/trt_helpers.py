@@ -32,15 +32,15 @@ class Graphs:
     fp32: Path  # model.onnx
     fp16: Path  # model.fp16.onnx: the plan's mixed precision
     naive: Path  # onnxruntime's float16 converter on model.onnx (what naive_report builds)
-    plan: object  # mbert.export.precision.Plan
+    plan: object  # mbert.export.fp16.precision.Plan
     heads: int
 
 
 def overflow_graphs(tmp_path_factory) -> Graphs:
     if "overflow" not in _CACHE:
-        from mbert.export.fp16 import write_naive_fp16
-        from mbert.export.onnx import to_onnx
-        from mbert.export.precision import plan, scan, to_mixed_precision
+        from mbert.export.fp16.naive import write_naive_fp16
+        from mbert.export.fp16.precision import plan, scan, to_mixed_precision
+        from mbert.export.onnx.trace import to_onnx
         from mbert.modeling import load_model
 
         root = tmp_path_factory.mktemp("trt-overflow")
