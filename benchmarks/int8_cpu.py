@@ -7,7 +7,7 @@ neighbour agreement) of ours and of blind.
 Model: the seeded random full-size gte-modernbert-base checkpoint of ``runtime_cpu.py`` (22 layers,
 hidden 768, CLS pooling), exported once with ``mbert-export --int8`` at ``max_seq_len`` 2048 (the INT8
 stages of the pipeline: sensitivity, plan with its end-to-end checks, blind quantizations; their
-cost is reported); ``--quick``: a 4-layer hidden-256 model at 512 tokens, a smoke test whose ratios
+cost is reported); ``--quick``: a 3-layer hidden-128 model at 512 tokens, a smoke test whose ratios
 mean nothing.
 
 Systems (ONNX Runtime CPU, all threads, one session each, the same batches):
@@ -40,6 +40,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from mbert.bundle.names import TOKENIZER
 
 import numpy as np
 
@@ -83,7 +85,7 @@ def saturation_probe() -> dict[str, bool]:
     return out
 
 
-def prepare(quick: bool, max_len: int) -> tuple[Path, Path, dict]:
+def prepare(quick: bool, max_len: int, cache: Path = CACHE) -> tuple[Path, Path, dict]:
     """Checkpoint and bundle (cached): the --int8 export, or, when the INT8 plan fails, the FP32 bundle
     and the failure (reported)."""
     from helpers import make_checkpoint
@@ -92,10 +94,11 @@ def prepare(quick: bool, max_len: int) -> tuple[Path, Path, dict]:
     from mbert.export.pipeline import export_bundle
 
     tag = "quick" if quick else "base"
-    ck, bundle = CACHE / f"checkpoint-{tag}", CACHE / f"bundle-{tag}-{max_len}-int8"
+    ck, bundle = cache / f"checkpoint-{tag}", cache / f"bundle-{tag}-{max_len}-int8"
     status = bundle.parent / f"{bundle.name}.json"
-    small = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=384) if quick else {}
-    if not (ck / "model.safetensors").is_file():
+    small = dict(num_hidden_layers=3, hidden_size=128, num_attention_heads=2, intermediate_size=192,
+                 local_attention=16) if quick else {}
+    if not (ck / "special_tokens_map.json").is_file():  # written last by make_checkpoint
         log(f"building the random checkpoint ({tag})")
         make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0, **small)
     if not status.is_file():
@@ -169,22 +172,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small model, 512 tokens, short corpus (smoke test)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-len", type=int, default=None, help="bundle max_seq_len (default 2048; --quick 512)")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="the report (default benchmarks/results/...)")
+    ap.add_argument("--cache", type=Path, default=CACHE, help="checkpoint and bundle folder")
     args = ap.parse_args()
     import runtime_cpu
 
     from mbert.bundle import open_bundle
     from mbert.bundle.texts import calibration_texts
 
-    ck, bundle, status = prepare(args.quick, args.max_len or (512 if args.quick else 2048))
+    ck, bundle, status = prepare(args.quick, args.max_len or (512 if args.quick else 2048), args.cache)
     manifest = open_bundle(bundle).manifest
     max_len = manifest.max_seq_len
     spec = runtime_cpu.QUICK if args.quick or max_len <= 512 else dict(runtime_cpu.FULL, max_len=max_len)
-    corpus_texts = runtime_cpu.build_corpus(bundle / "tokenizer.json", spec)
+    corpus_texts = runtime_cpu.build_corpus(bundle / TOKENIZER, spec)
     pad = manifest.model.pad_token_id
-    corpus = batches_for(bundle / "tokenizer.json", corpus_texts, spec["max_len"], pad)
+    corpus = batches_for(bundle / TOKENIZER, corpus_texts, spec["max_len"], pad)
     long4 = sorted(calibration_texts(), key=len)[-4:]
-    fixed = batches_for(bundle / "tokenizer.json", long4, 512, pad)[0]
+    fixed = batches_for(bundle / TOKENIZER, long4, 512, pad)[0]
     systems = {"fp32": bundle / "model.onnx"}
     if manifest.graph("int8") is not None:
         systems["int8 (ours)"] = bundle / "model.int8.onnx"
@@ -195,6 +199,7 @@ def main() -> None:
         results[name] = timed(path, fixed, corpus, args.repeats)
     text = report(args, manifest, status, results, corpus, fixed, spec)
     out = args.out or REPO / "benchmarks" / "results" / ("int8_cpu_quick.md" if args.quick else "int8_cpu.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     from mbert.bundle.schema import to_json
 

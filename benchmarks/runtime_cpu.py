@@ -22,15 +22,18 @@ Then the runtime's own overhead on 4 x 512-token batches: tokenization, batching
 against the raw backend call on the same ids (target: < 5 % of the call).
 
     python benchmarks/runtime_cpu.py            # 200 texts, ~27k tokens, up to 2048 -> results/runtime_cpu.md
-    python benchmarks/runtime_cpu.py --quick    # ~40 texts up to 512 tokens -> results/runtime_cpu_quick.md
+    python benchmarks/runtime_cpu.py --quick    # a 3-layer hidden-128 model, ~40 texts up to 512 tokens
+                                                # (smoke test, seconds) -> results/runtime_cpu_quick.md
+    --out FILE: the report elsewhere; --cache DIR: the models' folder (tests use both)
 
-Checkpoint, bundle and the st-onnx export are cached in benchmarks/.cache/runtime_cpu/ (git-ignored);
-the first run also builds them (the full-size export traces and validates 22 layers: ~5 minutes
-on 2 cores, once per max length).
+Checkpoint, bundle and the st-onnx export are cached in benchmarks/.cache/runtime_cpu/ (git-ignored;
+the quick model in its tiny/ folder); the first run also builds them (the full-size export traces
+and validates 22 layers: ~5 minutes on 2 cores, once per max length).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -42,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from mbert.bundle.names import MANIFEST, TOKENIZER
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / "benchmarks" / ".cache" / "runtime_cpu"
 SYSTEMS = ("mbert-runtime", "st-torch", "st-onnx")
@@ -52,6 +57,7 @@ FULL = dict(max_len=2048, buckets=[("query", 115, 6, 30), ("passage", 60, 40, 20
                                    ("long document", 5, 1024, 2048)])
 QUICK = dict(max_len=512, buckets=[("query", 16, 6, 30), ("passage", 16, 60, 300), ("document", 8, 300, 512)])
 BATCH_SIZE = 32
+TINY = dict(num_hidden_layers=3, hidden_size=128, num_attention_heads=2, intermediate_size=192, local_attention=16)
 
 
 def log(msg: str) -> None:
@@ -60,17 +66,19 @@ def log(msg: str) -> None:
 
 # --- preparation -----------------------------------------------------------------------------------
 
-def prepare(max_len: int) -> tuple[Path, Path]:
-    """The cached checkpoint and a bundle exported from it with ``max_seq_len=max_len``."""
+def prepare(max_len: int, shape: dict | None = None) -> tuple[Path, Path]:
+    """The cached checkpoint (full size, or ``shape``'s sizes) and a bundle exported from it with
+    ``max_seq_len=max_len``."""
     ck = CACHE / "checkpoint"
-    if not (ck / "model.safetensors").is_file():
-        log("building the random full-size checkpoint (gte-modernbert-base shape, CLS pooling)")
+    if not (ck / "special_tokens_map.json").is_file():  # written last by make_checkpoint
+        log(f"building the random {'small' if shape else 'full-size'} checkpoint (gte-modernbert-base shape, "
+            "CLS pooling)")
         sys.path.insert(0, str(REPO / "tests"))
         from helpers import make_checkpoint
 
-        make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0)
+        make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0, **(shape or {}))
     bundle = CACHE / f"bundle-{max_len}"
-    if not (bundle / "manifest.json").is_file():
+    if not (bundle / MANIFEST).is_file():
         from mbert.export.options import ExportOptions
         from mbert.export.pipeline import export_bundle
 
@@ -160,10 +168,11 @@ def overhead_split(enc, max_len: int, repeats: int = 5) -> dict:
 
     from mbert.bundle.texts import calibration_texts
     from mbert.bundle.tokenizer import pad_batch
-    from mbert.runtime import Encoder
+    from mbert.runtime.text import TextEncoder
 
     length = min(512, max_len)
-    cut = Encoder(enc.path, dict(enc.manifest, max_seq_len=length), enc.backend)  # same session, truncates at 512
+    cut = copy.copy(enc)  # the same bundle and session, truncating at `length`
+    cut.max_length, cut.text = length, TextEncoder(enc.bundle.path_of(TOKENIZER), length)
     long_texts = sorted(calibration_texts(), key=len)[-4:]  # each > 2000 tokens: cut to exactly 512
     encodings = cut.text.encode(long_texts)
     ids, mask = pad_batch([e.ids for e in encodings], cut.backend.pad_to(max(len(e.ids) for e in encodings), 4),
@@ -207,7 +216,8 @@ def onnx_python(arg: str | None) -> tuple[str | None, str]:
 def run_system(system: str, py: str, ck: Path, bundle: Path, corpus_file: Path, max_len: int) -> dict:
     out = CACHE / f"result-{system}.json"
     out.unlink(missing_ok=True)
-    cmd = [py, str(Path(__file__).resolve()), "--child", system, "--ck", str(ck), "--bundle", str(bundle),
+    cmd = [py, str(Path(__file__).resolve()), "--child", system, "--cache", str(CACHE), "--ck", str(ck),
+           "--bundle", str(bundle),
            "--corpus", str(corpus_file), "--max-len", str(max_len), "--result", str(out)]
     log(f"running {system}")
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="true"))
@@ -230,7 +240,10 @@ def report(args, spec, corpus, lengths, results, onnx_note) -> str:
     lines = [f"# Runtime encoding throughput on CPU{' (--quick)' if args.quick else ''}", "",
              f"Run {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} on {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} CPUs, Python {platform.python_version()}, mbert-export {export.__version__}.",
-             "Model: random full-size gte-modernbert-base weights (22 layers, hidden 768, CLS pooling, no Normalize).",
+             "Model: " + ("random gte-modernbert-base-shaped, 3 layers, hidden 128 (smoke test, not the target size)."
+                          if args.quick else
+                          "random full-size gte-modernbert-base weights (22 layers, hidden 768, CLS pooling, no "
+                          "Normalize)."),
              f"Corpus: {len(corpus)} texts cut from the built-in calibration set, {total_tokens} tokens before "
              f"truncation ({capped} after; {truncated} texts longer than max_seq_length {spec['max_len']}), "
              f"lengths {min(lengths)}..{max(lengths)} (median {int(statistics.median(lengths))}).",
@@ -283,9 +296,11 @@ def report(args, spec, corpus, lengths, results, onnx_note) -> str:
 
 
 def main() -> None:
+    global CACHE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="~40 texts up to 512 tokens")
+    ap.add_argument("--quick", action="store_true", help="a 3-layer model, ~40 texts up to 512 tokens (smoke test)")
     ap.add_argument("--out", type=Path, default=None, help="markdown report (default benchmarks/results/...)")
+    ap.add_argument("--cache", type=Path, default=CACHE, help="the models' folder (--quick: its tiny/ folder)")
     ap.add_argument("--onnx-python", default=None, help="Python with sentence-transformers + optimum-onnx")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -293,16 +308,17 @@ def main() -> None:
         ap.add_argument(hidden, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--max-len", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    CACHE = args.cache if args.child else args.cache / "tiny" if args.quick else args.cache
     if args.child:
         child(args.child, args.ck, args.bundle, args.corpus, args.max_len, args.result)
         return
     spec = QUICK if args.quick else FULL
     CACHE.mkdir(parents=True, exist_ok=True)
-    ck, bundle = prepare(spec["max_len"])
-    corpus = build_corpus(bundle / "tokenizer.json", spec)
+    ck, bundle = prepare(spec["max_len"], TINY if args.quick else None)
+    corpus = build_corpus(bundle / TOKENIZER, spec)
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(bundle / TOKENIZER))
     lengths = [len(e.ids) for e in tok.encode_batch(corpus)]
     log(f"corpus: {len(corpus)} texts, {sum(lengths)} tokens (max {max(lengths)})")
     corpus_file = CACHE / "corpus.json"

@@ -9,7 +9,7 @@ on the bundle's repository against ``Encoder.encode`` in-process, on the same te
               per request, each client taking the next text of the corpus until it is done; the
               server batches across requests (Triton's dynamic batcher + the runtime's batching)
 
-Target (issue 10): served >= 80% of in-process texts/s at saturating load on the 2-core build
+Target: served >= 80% of in-process texts/s at saturating load on the 2-core build
 machine. The served vectors are checked against the in-process ones (min cosine). Triton's
 statistics give the batches the encoder ran (inference count / execution count).
 
@@ -17,9 +17,12 @@ statistics give the batches the encoder ran (inference count / execution count).
                                                  # up to 512 tokens -> results/triton_serve.md
     python benchmarks/triton_serve.py --quick    # a 3-layer hidden-128 model, 200 short texts
                                                  # (smoke test) -> results/triton_serve_quick.md
+    --out FILE: the report elsewhere; --cache DIR: the quick model's folder (tests use both)
 
-The full-size checkpoint and bundle are shared with runtime_cpu.py (benchmarks/.cache/runtime_cpu/);
-the quick model lives in benchmarks/.cache/triton_serve/. Run on an otherwise idle machine.
+The server runs, as ``mbert-run serve`` does, on a private serving copy of the opened bundle's own
+repository (the sealed bundle is never modified). The full-size checkpoint and bundle are shared with
+runtime_cpu.py (benchmarks/.cache/runtime_cpu/); the quick model lives in
+benchmarks/.cache/triton_serve/. Run on an otherwise idle machine.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from runtime_cpu import build_corpus, log, prepare  # noqa: E402
 
+from mbert.bundle.names import TOKENIZER  # noqa: E402
+
 CACHE = REPO / "benchmarks" / ".cache" / "triton_serve"
 SMALL = dict(num_hidden_layers=3, hidden_size=128, num_attention_heads=2, intermediate_size=192,
              local_attention=16)
@@ -51,18 +56,26 @@ QUICK = dict(max_len=512, buckets=[("query", 120, 6, 30), ("passage", 60, 60, 30
 TARGET = 0.80
 
 
-def quick_bundle() -> Path:
-    """A small model's bundle (cached), for smoke runs."""
+def quick_bundle(cache: Path) -> Path:
+    """A small model's bundle (cached in ``cache``; exported again when it does not open, e.g. one
+    written by an older format), for smoke runs."""
     from helpers import make_checkpoint
 
+    from mbert.bundle import open_bundle
+    from mbert.bundle.errors import MbertError
     from mbert.export.pipeline import ExportOptions, export_bundle
 
-    bundle = CACHE / "bundle-small"
-    if not (bundle / "manifest.json").is_file():
-        ck = make_checkpoint(CACHE / "checkpoint-small", base="gte-modernbert-base", layout="cls-pooling",
-                             seed=0, **SMALL)
-        log("exporting the small bundle")
-        export_bundle(ck, ExportOptions(out=bundle, max_seq_len=QUICK["max_len"], overwrite=True))
+    bundle = cache / "bundle-small"
+    try:
+        open_bundle(bundle).close()
+        return bundle
+    except MbertError:
+        pass
+    ck = cache / "checkpoint-small"
+    if not (ck / "special_tokens_map.json").is_file():  # written last by make_checkpoint
+        make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0, **SMALL)
+    log("exporting the small bundle")
+    export_bundle(ck, ExportOptions(out=bundle, max_seq_len=QUICK["max_len"], overwrite=True))
     return bundle
 
 
@@ -80,61 +93,88 @@ def in_process(bundle: Path, corpus: list[str]) -> tuple[float, np.ndarray, dict
     return seconds, vectors, {"batches": s.batches, "padded_tokens": s.padded_tokens, "tokens": s.tokens}
 
 
-def served(bundle: Path, corpus: list[str], clients: int) -> dict:
+def drain(make_client, corpus: list[str], clients: int) -> tuple[list, list[float], list[str], float]:
+    """``clients`` threads, each with its own ``make_client(c)`` (a TritonEncoder, made in the thread),
+    each encoding the next text of ``corpus`` alone until none is left: (vectors by text, None where
+    it failed; latencies in s; errors; wall seconds)."""
+    results: list = [None] * len(corpus)
+    latencies: list[float] = []
+    errors: list[str] = []
+    cursor = iter(range(len(corpus)))
+    lock = threading.Lock()
+
+    def loop(c: int) -> None:
+        enc = make_client(c)
+        while True:
+            with lock:
+                i = next(cursor, None)
+            if i is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                vec = enc.encode([corpus[i]])
+            except Exception as exc:  # noqa: BLE001 - counted and reported
+                with lock:
+                    errors.append(f"text {i}: {exc}")
+                continue
+            dt = time.perf_counter() - t0
+            with lock:
+                results[i] = vec[0]
+                latencies.append(dt)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=loop, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, latencies, errors, time.perf_counter() - t0
+
+
+def served(bundle: Path, corpus: list[str], clients: int, log_file: Path) -> dict:
+    from mbert.bundle import open_bundle
+    from mbert.runtime.serve.folder import serve_folder
+    from mbert.runtime.serve.repository import ensemble_models, serving_copy
+    from mbert.runtime.serve.server import TritonServer
+
+    with serve_folder() as workdir, open_bundle(bundle) as opened:
+        repo = serving_copy(opened, None, workdir)  # as mbert-run serve: the sealed bundle stays as it is
+        opened.close()
+        with TritonServer(repo, models=ensemble_models(repo), log=log_file) as server:
+            return drain_served(server, corpus, clients)
+
+
+def drain_served(server, corpus: list[str], clients: int) -> dict:
+    """Warm the server up, then :func:`drain` ``corpus`` through it with ``clients`` clients."""
     import tritonclient.http
 
     from mbert.runtime import TritonEncoder
-    from mbert.runtime.serve.server import TritonServer, ensemble_models, repository_of
 
-    repo = repository_of(bundle)
-    models = ensemble_models(repo)
-    with TritonServer(repo, models=models, log=CACHE / "tritonserver.log") as server:
-        name = TritonEncoder(server.http_url).model
-        python = f"{name}_python"
-        stats_client = tritonclient.http.InferenceServerClient(server.http_url)
-        warm = TritonEncoder(server.http_url, model=name)
-        for text in corpus[:8]:
-            warm.encode([text])
-        before = stats_client.get_inference_statistics(python)["model_stats"][0]
-        results: list = [None] * len(corpus)
-        latencies: list[float] = []
-        errors: list[str] = []
-        cursor = iter(range(len(corpus)))
-        lock = threading.Lock()
-
-        def loop(c: int) -> None:
-            protocol = "http" if c % 2 == 0 else "grpc"
-            enc = TritonEncoder(server.http_url if protocol == "http" else server.grpc_url, model=name,
-                                protocol=protocol, timeout=600)
-            while True:
-                with lock:
-                    i = next(cursor, None)
-                if i is None:
-                    return
-                t0 = time.perf_counter()
-                try:
-                    vec = enc.encode([corpus[i]])
-                except Exception as exc:  # noqa: BLE001 - counted and reported
-                    with lock:
-                        errors.append(f"text {i}: {exc}")
-                    continue
-                dt = time.perf_counter() - t0
-                with lock:
-                    results[i] = vec[0]
-                    latencies.append(dt)
-
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=loop, args=(c,)) for c in range(clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - t0
-        after = stats_client.get_inference_statistics(python)["model_stats"][0]
-    inferences = after["inference_count"] - before["inference_count"]
-    executions = after["execution_count"] - before["execution_count"]
+    name = TritonEncoder(server.http_url).model
+    python = f"{name}_python"
+    stats_client = tritonclient.http.InferenceServerClient(server.http_url)
+    warm = TritonEncoder(server.http_url, model=name)
+    for text in corpus[:8]:
+        warm.encode([text])
+    before = stats_client.get_inference_statistics(python)["model_stats"][0]
+    results, latencies, errors, seconds = drain(lambda c: TritonEncoder(
+        server.http_url if c % 2 == 0 else server.grpc_url, model=name,
+        protocol="http" if c % 2 == 0 else "grpc", timeout=600), corpus, clients)
+    after = settled_statistics(stats_client, python, before, len(corpus) - len(errors))
     return {"seconds": seconds, "vectors": results, "latencies": np.array(latencies), "errors": errors,
-            "inferences": inferences, "executions": executions, "clients": clients}
+            "inferences": after["inference_count"] - before["inference_count"],
+            "executions": after["execution_count"] - before["execution_count"], "clients": clients}
+
+
+def settled_statistics(client, model: str, before: dict, expected: int, timeout_s: float = 30.0) -> dict:
+    """``model``'s statistics once its inference count has grown by ``expected`` (Triton counts a request
+    after sending its response), or as they stand after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.get_inference_statistics(model)["model_stats"][0]
+        if stats["inference_count"] - before["inference_count"] >= expected or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
 
 
 def report(args, corpus, lengths, ours, srv, vectors) -> str:
@@ -178,26 +218,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small model, short run (smoke test)")
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="the report (default benchmarks/results/...)")
+    ap.add_argument("--cache", type=Path, default=CACHE, help="the quick model's folder")
     args = ap.parse_args()
     spec = QUICK if args.quick else FULL
     args.max_len, args.load = spec["max_len"], os.getloadavg()[0]
-    CACHE.mkdir(parents=True, exist_ok=True)
+    args.cache.mkdir(parents=True, exist_ok=True)
     if args.quick:
-        bundle = quick_bundle()
+        bundle = quick_bundle(args.cache)
         args.model = "random gte-modernbert-base-shaped, 3 layers, hidden 128 (smoke test, not the target size)"
     else:
         _, bundle = prepare(spec["max_len"])
         args.model = "random full-size gte-modernbert-base weights (22 layers, hidden 768, CLS pooling)"
-    write_repository(bundle)
-    corpus = build_corpus(bundle / "tokenizer.json", spec)
+    corpus = build_corpus(bundle / TOKENIZER, spec)
     from tokenizers import Tokenizer
 
-    lengths = [len(e.ids) for e in Tokenizer.from_file(str(bundle / "tokenizer.json")).encode_batch(corpus)]
+    lengths = [len(e.ids) for e in Tokenizer.from_file(str(bundle / TOKENIZER)).encode_batch(corpus)]
     log(f"corpus: {len(corpus)} texts, {sum(lengths)} tokens; in-process run")
     ours = in_process(bundle, corpus)
     log(f"in-process: {ours[0]:.2f}s; served run ({args.clients} clients)")
-    srv = served(bundle, corpus, args.clients)
+    srv = served(bundle, corpus, args.clients, args.cache / "tritonserver.log")
     log(f"served: {srv['seconds']:.2f}s")
     text = report(args, corpus, lengths, ours, srv, ours[1])
     out = args.out or REPO / "benchmarks" / "results" / ("triton_serve_quick.md" if args.quick else "triton_serve.md")
@@ -205,20 +245,6 @@ def main() -> None:
     out.write_text(text)
     print(text)
     log(f"wrote {out}")
-
-
-def write_repository(bundle: Path) -> None:
-    """(Re)write the bundle's triton/ with the current writer (a cached bundle may predate it)."""
-    import json
-
-    from mbert.export.triton.writer import TritonSpec, write_triton_repository
-    from mbert.runtime import Encoder
-
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    enc = Encoder.from_bundle(bundle, backend="onnxruntime", device="cpu", verify=False)
-    write_triton_repository(bundle, TritonSpec(
-        name=manifest["name"], max_length=enc.max_length, inputs=tuple(manifest["io"]["inputs"]),
-        outputs=tuple(manifest["io"]["outputs"]), pad_id=enc.pad_id))
 
 
 if __name__ == "__main__":

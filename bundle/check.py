@@ -35,17 +35,17 @@ def cross_check(folder: Path, manifest: Manifest) -> ModernBertConfig:
         raise BundleError(f"{folder}: {exc}") from exc
     problems = []
     if manifest.task != "encoder" and manifest.task != cfg.task:
-        problems.append(f"task is {manifest.task!r} in the manifest, {cfg.task!r} in config.json")
+        problems.append(f"task is {manifest.task!r} in the manifest, {cfg.task!r} in {CONFIG}")
     want = model_info(cfg)
     for key, value in asdict(manifest.model).items():
         if value != getattr(want, key):
-            problems.append(f"model.{key} is {value!r} in the manifest, {getattr(want, key)!r} in config.json")
+            problems.append(f"model.{key} is {value!r} in the manifest, {getattr(want, key)!r} in {CONFIG}")
     labels = {str(k): v for k, v in cfg.id2label.items()} or None
     if manifest.task in ("sequence-classification", "token-classification") and manifest.labels != labels:
-        problems.append(f"labels are {manifest.labels!r} in the manifest, {labels!r} in config.json")
+        problems.append(f"labels are {manifest.labels!r} in the manifest, {labels!r} in {CONFIG}")
     if manifest.max_seq_len > cfg.max_position_embeddings:
         problems.append(f"max_seq_len {manifest.max_seq_len} exceeds max_position_embeddings "
-                        f"{cfg.max_position_embeddings} of config.json")
+                        f"{cfg.max_position_embeddings} of {CONFIG}")
     if manifest.pooling != declared:
         problems.append(f"pooling is {manifest.pooling!r} in the manifest, but modules.json / 1_Pooling / "
                         f"sentence_bert_config.json declare {declared!r}")

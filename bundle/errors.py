@@ -62,6 +62,11 @@ class BundleError(MbertError):
     """A bundle folder is missing, incomplete, tampered with or built for another machine."""
 
 
+class CorpusError(MbertError):
+    """A corpus job's output folder cannot be used: not writable, holding other files, or made from
+    another bundle, input or options (the message names what differs)."""
+
+
 def failure(exc: BaseException) -> tuple[str, int]:
     """The one line a command line prints for ``exc``, and its exit code: the error's own for an
     :class:`MbertError` (1 bad input, 2 usage), 1 for the environment (a file or folder that cannot be

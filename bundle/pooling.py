@@ -17,6 +17,7 @@ from typing import Any
 
 from mbert.bundle.errors import PoolingError
 from mbert.bundle.files import read_json
+from mbert.bundle.names import CONFIG, ST_CONFIG, ST_MODEL_CONFIG, ST_MODULES
 from mbert.bundle.paths import inside
 
 # What max pooling gives padded positions: the most negative finite float16, so an FP16 graph pools
@@ -66,7 +67,7 @@ def read_pooling(root: Path) -> PoolingConfig | None:
     """The pooling the sentence-transformers folder ``root`` declares, or ``None`` when it has no
     ``modules.json``."""
     root = Path(root)
-    modules_file = root / "modules.json"
+    modules_file = root / ST_MODULES
     if not os.path.lexists(modules_file):  # a dangling link or a FIFO is an error below, not 'no pooling'
         return None
     modules = _read(modules_file)
@@ -84,12 +85,12 @@ def read_pooling(root: Path) -> PoolingConfig | None:
         raise PoolingError(f"{modules_file}: expected exactly one Pooling module, found {len(pool_entries)}")
 
     sub = pool_entries[0].get("path", "1_Pooling")
-    pool_file = inside(root, f"{sub}/config.json", f"{modules_file}: Pooling module 'path'", PoolingError)
+    pool_file = inside(root, f"{sub}/{CONFIG}", f"{modules_file}: Pooling module 'path'", PoolingError)
     raw = _read(pool_file)
     modes = _modes(raw, pool_file)
 
     max_len = None
-    sbert = root / "sentence_bert_config.json"
+    sbert = root / ST_CONFIG
     if os.path.lexists(sbert):
         max_len = _read(sbert).get("max_seq_length")
         if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
@@ -97,7 +98,7 @@ def read_pooling(root: Path) -> PoolingConfig | None:
 
     prompts: dict[str, str] = {}
     default_prompt = None
-    st_cfg = root / "config_sentence_transformers.json"
+    st_cfg = root / ST_MODEL_CONFIG
     if os.path.lexists(st_cfg):
         raw_st = _read(st_cfg)
         prompts = raw_st.get("prompts") or {}

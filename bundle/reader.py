@@ -18,11 +18,13 @@ fail once.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from mbert.bundle.check import cross_check
 from mbert.bundle.config import ModernBertConfig
@@ -77,6 +79,18 @@ class Bundle:
         if self.handle is not None:
             self.handle.close()
 
+    @contextlib.contextmanager
+    def naming(self) -> Iterator[None]:
+        """An MbertError raised in the block names the bundle's files as the caller named the bundle,
+        not by the open folder they are read through (``/proc/self/fd/N``, which tells a user nothing)."""
+        try:
+            yield
+        except MbertError as exc:
+            root = str(self.root or self.path)
+            if root == str(self.path) or root not in str(exc):
+                raise
+            raise type(exc)(str(exc).replace(root, str(self.path))) from exc
+
     def __enter__(self) -> "Bundle":
         return self
 
@@ -92,11 +106,9 @@ def open_bundle(path: str | Path, verify: bool = True) -> Bundle:
     handle = _open_locked(path)
     root = handle.root if handle.root != Path() else path
     try:
-        manifest = read(root, verify=verify)
-        config = cross_check(root, manifest)
-    except MbertError as exc:  # name the bundle as the caller named it, not /proc/self/fd/N
-        handle.close()
-        raise type(exc)(str(exc).replace(str(root), str(path))) from exc
+        with Bundle(path, None, None, root).naming():
+            manifest = read(root, verify=verify)
+            config = cross_check(root, manifest)
     except BaseException:
         handle.close()
         raise

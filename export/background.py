@@ -54,6 +54,8 @@ def _child(send, parent: int, fn: Callable, args: tuple, kwargs: dict) -> None:
     try:
         result = fn(*args, **kwargs, progress=lambda p: send.send(("progress", p)))
         send.send(("ok", result, time.process_time()))
+    except OSError as exc:  # a file that cannot be written (a full disk): raised as one in the parent
+        send.send(("oserror", exc.errno, exc.strerror or str(exc), exc.filename, traceback.format_exc()))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         send.send(("error", f"{type(exc).__name__}: {exc}", isinstance(exc, ExportError), traceback.format_exc()))
     finally:
@@ -121,6 +123,11 @@ class Job:
             code = rest[0]
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             raise ExportError(f"the {self.name} process ended without a result ({how}; out of memory?)")
+        if kind == "oserror":  # the parent names the file as its own (the staging folder's is the bundle's)
+            code, strerror, filename, child_traceback = rest
+            error = OSError(code, strerror) if filename is None else OSError(code, strerror, filename)
+            error.add_note(f"in the {self.name} process:\n{child_traceback}")
+            raise error
         message, is_export_error, child_traceback = rest
         error = ExportError(message.split(": ", 1)[1] if is_export_error else f"{self.name} failed: {message}")
         error.add_note(f"in the {self.name} process:\n{child_traceback}")

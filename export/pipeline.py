@@ -22,7 +22,7 @@ import torch
 
 from mbert.bundle import IO, GraphRecord, Manifest, Source, model_info, write
 from mbert.bundle.errors import BundleError, ExportError, OptionError
-from mbert.bundle.names import FP16_GRAPH, FP32_GRAPH, INT8_GRAPH, MANIFEST, PLAN, TOKENIZER
+from mbert.bundle.names import CONFIG, FP16_GRAPH, FP32_GRAPH, INT8_GRAPH, MANIFEST, PLAN, TOKENIZER
 from mbert.bundle.texts import calibration_texts, load_text_file
 from mbert.bundle.tokenizer import check_token_ids, load_tokenizer
 from mbert.bundle.validation import compare, grid_cases, tolerances_for
@@ -73,7 +73,8 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
     options.check()
     _check_builder(options)
     device = _device(options)
-    target = resolved(options.target(source))
+    named = options.target(source)  # as the user named it: the lines printed name the bundle so
+    target = resolved(named)  # absolute: ``--out .`` names the folder itself
     check_target(target, options.overwrite)
     check_nothing_dropped(target, options)
     check_source(resolve(str(source)).path, target)
@@ -97,7 +98,7 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
             fp16 = stages.run("validate fp16", fp16_mod.validate_mixed, ctx, reference, scan_report, plan, mixed)
             graphs.append(fp16.graph)
             engine = stages.run("engine", engine_stage, staging, target, ctx.max_len, options, ctx.cases,
-                                lambda message: report("progress", f"engine: {message}"))
+                                lambda message: report("progress", f"engine: {message}"), named)
         int8 = None
         if options.int8:  # independent of --fp16: the CPU path
             sensitivity = stages.run("int8 sensitivity", int8_stage.sensitivity, ctx)
@@ -105,7 +106,7 @@ def export_bundle(source: str | Path, options: ExportOptions, report: Reporter =
             int8 = stages.run("int8 blind", int8_stage.finish, ctx, reference, chosen)
             graphs.append(int8.graph)
         manifest = stages.run("write", write_bundle, ctx, options, io, graphs, fp16, engine, int8)
-    return ExportResult(target, manifest, stages.timings, fp16, engine.note if engine else "", int8)
+    return ExportResult(named, manifest, stages.timings, fp16, engine.note if engine else "", int8)
 
 
 def check_nothing_dropped(target: Path, options: ExportOptions) -> None:
@@ -197,7 +198,7 @@ def load(source: str, options: ExportOptions, target: Path, staging: Path, texts
     from mbert.bundle.config import ModernBertConfig
 
     folder = resolve(source).path
-    cfg = ModernBertConfig.from_file(folder / "config.json")
+    cfg = ModernBertConfig.from_file(folder / CONFIG)
     if options.task is not None:
         cfg = cfg.with_task(options.task)
     pooling = load_pooling(folder) if cfg.task == "encoder" else None

@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 
 from mbert.bundle import owner
 from mbert.bundle.errors import BundleError
-from mbert.bundle.files import JSON_LIMIT, read_json, walk
+from mbert.bundle.files import JSON_LIMIT, link_tree, read_json, walk
 from mbert.bundle.manifest import KNOWN_FORMATS
 from mbert.bundle.names import MANIFEST
 
@@ -305,14 +305,7 @@ def exchange(a: Path, b: Path) -> bool:
 def stage_copy(bundle: Path, tmp: Path) -> None:
     """Fill ``tmp`` with hard links (copies across file systems) of every file of ``bundle``. Later
     writes to ``tmp`` replace files (new inodes), so the linked originals stay byte-identical."""
-    for dirpath, _dirs, names in os.walk(bundle):
-        rel = Path(dirpath).relative_to(bundle)
-        (tmp / rel).mkdir(parents=True, exist_ok=True)
-        for name in names:
-            try:
-                os.link(Path(dirpath, name), tmp / rel / name)
-            except OSError:
-                shutil.copyfile(Path(dirpath, name), tmp / rel / name)
+    link_tree(bundle, tmp)
 
 
 class Interrupted(KeyboardInterrupt):

@@ -18,19 +18,21 @@ import torch
 from mbert.bundle.config import ModernBertConfig
 from mbert.bundle.errors import CheckpointError
 from mbert.bundle.files import check_regular, read_json
+from mbert.bundle.names import (CONFIG, SPECIAL_TOKENS, ST_CONFIG, ST_MODEL_CONFIG, ST_MODULES, TOKENIZER,
+                                TOKENIZER_CONFIG)
 from mbert.bundle.paths import inside
 from mbert.modeling.model import build_model, encoder_of
 
 # Files a bundle or the runtime may need besides the weights.
 SIDE_FILES = (
-    "config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "modules.json",
-    "sentence_bert_config.json",
-    "config_sentence_transformers.json",
-    "*/config.json",  # 1_Pooling/config.json and friends
+    CONFIG,
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+    SPECIAL_TOKENS,
+    ST_MODULES,
+    ST_CONFIG,
+    ST_MODEL_CONFIG,
+    f"*/{CONFIG}",  # 1_Pooling/config.json and friends
 )
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "model-*.safetensors")
 FALLBACK_WEIGHT_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*.bin")
@@ -56,7 +58,7 @@ def resolve(source: str | Path, revision: str | None = None, weights: bool = Fal
     """A local folder for ``source``: the folder itself, or the hub snapshot (cache first)."""
     path = Path(source).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not (path / CONFIG).is_file():
             raise CheckpointError(f"{path}: folder has no config.json; is it a ModernBERT checkpoint?")
         return ResolvedSource(path.resolve())
     text = str(source)
@@ -85,8 +87,8 @@ def _resolve_hub(repo_id: str, revision: str | None, weights: bool) -> ResolvedS
                 "pass a local checkpoint folder instead"
             ) from exc
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{repo_id}: the repository has no config.json")
+    if not (folder / CONFIG).is_file():
+        raise CheckpointError(f"{repo_id}: the repository has no {CONFIG}")
     return ResolvedSource(folder, hub_id=repo_id, revision=folder.name if folder.parent.name == "snapshots" else revision)
 
 
@@ -96,7 +98,7 @@ def _weight_files_present(folder: Path) -> bool:
 
 
 def load_config(source: str | Path) -> ModernBertConfig:
-    return ModernBertConfig.from_file(resolve(source).path / "config.json")
+    return ModernBertConfig.from_file(resolve(source).path / CONFIG)
 
 
 def load_model(
@@ -114,7 +116,7 @@ def load_model(
     of a head checkpoint). ``model.source`` records where it came from.
     """
     resolved = resolve(source, revision=revision, weights=True)
-    cfg = ModernBertConfig.from_file(resolved.path / "config.json")
+    cfg = ModernBertConfig.from_file(resolved.path / CONFIG)
     if task is not None:
         cfg = cfg.with_task(task)
     with torch.device("meta"):
@@ -250,7 +252,7 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
     import shutil
 
     names = [n for n in SIDE_FILES if "*" not in n and os.path.lexists(src / n)]
-    modules = src / "modules.json"
+    modules = src / ST_MODULES
     if os.path.lexists(modules):
         entries = read_json(modules, CheckpointError)
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
@@ -258,7 +260,7 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
         for i, entry in enumerate(entries):
             sub = entry.get("path") or ""
             if sub:
-                rel = f"{sub.rstrip('/')}/config.json"
+                rel = f"{sub.rstrip('/')}/{CONFIG}"
                 if os.path.lexists(inside(src, rel, f"{modules}: [{i}].path", CheckpointError)):
                     names.append(rel)
     for name in names:

@@ -18,6 +18,7 @@ from torch import nn
 
 from mbert.bundle.config import ModernBertConfig
 from mbert.bundle.errors import CheckpointError
+from mbert.bundle.names import CONFIG, SPECIAL_TOKENS, ST_MODULES, TOKENIZER, TOKENIZER_CONFIG
 from mbert.modeling.model import LayerNorm, build_model
 
 RANDOM_KEY = "mbert_random_weights"
@@ -65,7 +66,7 @@ def write_random_checkpoint(folder: str | Path, preset: str = "tiny", seed: int 
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise CheckpointError(f"{folder}: exists and is not an empty folder; choose a new folder")
     data = files("mbert.modeling") / "data" / "modernbert-base"
-    raw = json.loads((data / "config.json").read_text(encoding="utf-8"))
+    raw = json.loads((data / CONFIG).read_text(encoding="utf-8"))
     raw.update(PRESETS[preset], architectures=["ModernBertModel"], torch_dtype="float32", **{RANDOM_KEY: True})
     raw.pop("_name_or_path", None)
     cfg = ModernBertConfig.from_dict(raw, source="random checkpoint")
@@ -75,15 +76,15 @@ def write_random_checkpoint(folder: str | Path, preset: str = "tiny", seed: int 
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt", RANDOM_KEY: "true"})
-    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    (folder / CONFIG).write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    for name in (TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS):
         (folder / name).write_bytes((data / name).read_bytes())
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
-    (folder / "modules.json").write_text(json.dumps(modules, indent=2) + "\n", encoding="utf-8")
+    (folder / ST_MODULES).write_text(json.dumps(modules, indent=2) + "\n", encoding="utf-8")
     (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+    (folder / "1_Pooling" / CONFIG).write_text(json.dumps(
         {"word_embedding_dimension": cfg.hidden_size, "pooling_mode_mean_tokens": True, "include_prompt": True},
         indent=2) + "\n", encoding="utf-8")
     (folder / "2_Normalize").mkdir()
@@ -94,6 +95,6 @@ def write_random_checkpoint(folder: str | Path, preset: str = "tiny", seed: int 
 def is_random(folder: str | Path) -> bool:
     """True for a checkpoint written by :func:`write_random_checkpoint`."""
     try:
-        return json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get(RANDOM_KEY) is True
+        return json.loads((Path(folder) / CONFIG).read_text(encoding="utf-8")).get(RANDOM_KEY) is True
     except (OSError, ValueError, AttributeError):
         return False

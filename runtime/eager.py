@@ -9,6 +9,7 @@ from typing import Any
 
 from mbert.bundle import Bundle
 from mbert.bundle.errors import BundleError, MbertError
+from mbert.bundle.names import CONFIG
 from mbert.bundle.tensors import INPUT_NAMES, Runner
 from mbert.runtime.text import Padding
 
@@ -45,7 +46,11 @@ def eager_source(bundle: Bundle, source: str | Path | None = None) -> str | Path
     if source is not None:
         return source
     src = bundle.manifest.source
-    if (Path(src.path) / "config.json").is_file():
+    try:
+        here = (Path(src.path) / CONFIG).is_file()
+    except OSError:  # in a folder this user cannot enter (another user's export): not available here
+        here = False
+    if here:
         return Path(src.path)
     if src.id:
         return src.id
@@ -67,10 +72,10 @@ def load_eager_model(bundle: Bundle, source: str | Path | None = None, device: A
     except MbertError as exc:
         raise BundleError(f"{bundle.path}: the eager backend needs the source checkpoint {where}, which could not "
                           f"be loaded: {exc}") from exc
-    ours = json.loads((bundle.path / "config.json").read_text(encoding="utf-8"))
-    theirs = json.loads((Path(model.source.path) / "config.json").read_text(encoding="utf-8"))
+    ours = json.loads((bundle.path / CONFIG).read_text(encoding="utf-8"))
+    theirs = json.loads((Path(model.source.path) / CONFIG).read_text(encoding="utf-8"))
     if ours != theirs:
-        raise BundleError(f"{bundle.path}: the source checkpoint {where} has a different config.json than the "
+        raise BundleError(f"{bundle.path}: the source checkpoint {where} has a different {CONFIG} than the "
                           "bundle; it changed since export (pass the original checkpoint as source, or re-export)")
     return model
 

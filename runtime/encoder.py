@@ -79,9 +79,14 @@ class Encoder:
         ``verify=False`` skips hashing the files (the manifest is still cross-checked).
         """
         bundle = open_bundle(path, verify=verify)
-        b = open_backend(bundle, backend, device, precision, threads=threads, source=source)
-        return cls(bundle, b, batch_size=batch_size, max_batch_tokens=max_batch_tokens, progress=progress,
-                   source=source)
+        try:
+            with bundle.naming():
+                b = open_backend(bundle, backend, device, precision, threads=threads, source=source)
+                return cls(bundle, b, batch_size=batch_size, max_batch_tokens=max_batch_tokens, progress=progress,
+                           source=source)
+        except BaseException:
+            bundle.close()
+            raise
 
     # --- properties --------------------------------------------------------------------------
     @property
@@ -213,7 +218,7 @@ class Encoder:
         if self.task != "masked-lm":
             raise OptionError(f"fill_mask needs a masked-LM bundle; this one is {self.task!r}")
         if self.text.mask_token_id is None:
-            raise OptionError(f"{self.path / 'tokenizer.json'} has no [MASK] token")
+            raise OptionError(f"{self.path / TOKENIZER} has no [MASK] token")
         if not isinstance(top_k, int) or top_k < 1:
             raise OptionError(f"top_k must be a positive int, got {top_k!r}")
         single, items = _check_inputs(text, pairs=False)
@@ -303,7 +308,8 @@ class Encoder:
         encodings = self.text.encode(inputs)
         stats.tokenize_s += time.perf_counter() - t0
         stats.texts = len(inputs)
-        stats.tokens = sum(len(e.ids) for e in encodings)
+        stats.lengths = [len(e.ids) for e in encodings]
+        stats.tokens = sum(stats.lengths)
         stats.truncated_indices = [i for i, e in enumerate(encodings) if e.overflowing]
         stats.truncated = len(stats.truncated_indices)
         if stats.truncated:

@@ -36,6 +36,7 @@ class EncodeStats:
     padded_tokens: int = 0  # tokens the backend processed (padding included)
     truncated: int = 0  # inputs cut to the max length
     truncated_indices: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # tokens of each input, in input order (after truncation)
     batches: int = 0
     tokenize_s: float = 0.0
     batching_s: float = 0.0  # sorting, building padded arrays, restoring order

@@ -270,3 +270,30 @@ def torch_blocker(folder: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(folder)] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
+
+
+TINY = dict(SMALL, num_hidden_layers=2, local_attention=16)  # the export tests' checkpoint: seconds to export
+
+
+def export_cli(*args, cwd=None, timeout=600):
+    """``mbert-export ARGS`` as a user runs it (a child Python), output captured."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "mbert.export.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def error_line(proc) -> str:
+    """The one ``error:`` line a failed command printed (and no traceback)."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "internal error:"))]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` by its relative path and SHA-256."""
+    import hashlib
+
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -1,8 +1,7 @@
-"""The export as a transaction, under bad input and faults (issue 8's numbered defects, one or more
-tests each), driven through the ``mbert-export`` command line as a user would."""
+"""The export as a transaction, under bad input and faults (one section per rule, one or more tests
+each), driven through the ``mbert-export`` command line as a user would."""
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import subprocess
@@ -11,27 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import SMALL, make_checkpoint, write_json
+from helpers import TINY, error_line, make_checkpoint, snapshot, write_json
+from helpers import export_cli as cli
 
 from mbert.bundle import open_bundle
-
-TINY = dict(SMALL, num_hidden_layers=2, local_attention=16)
-
-
-def cli(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "mbert.export.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
-
-
-def error_line(proc) -> str:
-    lines = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "internal error:"))]
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    return lines[0]
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +30,7 @@ def exported(ck, tmp_path_factory) -> Path:
     return out
 
 
-# 1. --overwrite deleted any folder holding a file named manifest.json --------------------------------
+# --overwrite replaces only a sealed bundle ------------------------------------------------------------
 
 def test_overwrite_refuses_a_folder_that_is_not_a_bundle(ck, tmp_path):
     ext = tmp_path / "web-extension"
@@ -58,7 +40,9 @@ def test_overwrite_refuses_a_folder_that_is_not_a_bundle(ck, tmp_path):
     before = snapshot(ext)
     proc = cli(ck, "--out", ext, "--overwrite", "--max-seq-len", "64")
     assert proc.returncode == 1
-    assert "--overwrite replaces only a bundle written by mbert-export" in error_line(proc)
+    line = error_line(proc)
+    assert "--overwrite replaces only a folder that holds a bundle of mbert-export and nothing else" in line
+    assert "manifest.json has no known mbert-export format_version" in line
     assert snapshot(ext) == before
 
 
@@ -75,7 +59,7 @@ def test_overwrite_replaces_a_bundle_of_this_tool(ck, exported, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
 
 
-# 3. the exporter followed modules.json paths out of the bundle -----------------------------------------
+# modules.json paths stay inside the checkpoint --------------------------------------------------------
 
 def test_modules_json_paths_are_confined(ck, tmp_path):
     import shutil
@@ -95,7 +79,7 @@ def test_modules_json_paths_are_confined(ck, tmp_path):
     assert not (tmp_path / "exports" / "escape").exists() and not out.exists()
 
 
-# 5. --max-seq-len 1 wrote a fixed sequence axis; 0 read as "not given" ----------------------------
+# --max-seq-len: below 2 is refused before any work; 2 keeps the sequence axis dynamic ----------------
 
 @pytest.mark.parametrize("value", ["0", "1", "-5"])
 def test_too_small_max_seq_len_is_refused_before_any_work(ck, tmp_path, value):
@@ -121,7 +105,7 @@ def test_smallest_max_seq_len_keeps_the_sequence_axis_dynamic(ck, tmp_path):
     assert vectors.shape == (3, 128) and np.isfinite(vectors).all()
 
 
-# 6. killed exports left .NAME.partial-PID folders forever; SIGTERM -----------------------------------
+# a killed export's .NAME.partial-PID folder is cleaned up; SIGTERM ------------------------------------
 
 def _start(ck: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "mbert.export.cli", str(ck), "--out", str(out),
@@ -161,7 +145,7 @@ def test_the_next_export_removes_what_a_killed_one_left(ck, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
 
 
-# 7. two exports to the same --out both "succeeded" -------------------------------------------------
+# a second export to the same --out stops at once ------------------------------------------------------
 
 def test_a_second_concurrent_export_to_the_same_out_stops_at_once(ck, tmp_path):
     from mbert.export.transaction import lock
@@ -174,7 +158,7 @@ def test_a_second_concurrent_export_to_the_same_out_stops_at_once(ck, tmp_path):
     assert "[2/4] trace" not in proc.stderr and took < 120 and not (tmp_path / "b").exists()
 
 
-# 8. token ids beyond vocab_size surfaced as "internal error" after the trace -----------------------
+# token ids beyond vocab_size are an input error, before the trace -------------------------------------
 
 def test_special_token_id_beyond_the_embedding_table_names_the_config(tmp_path):
     folder = make_checkpoint(tmp_path / "ck", seed=41, **TINY)
@@ -195,7 +179,7 @@ def test_tokenizer_ids_beyond_the_embedding_table_name_the_tokenizer(tmp_path):
     assert str(folder / "tokenizer.json") in line and "outside the model's embedding table (vocab_size 50000" in line
 
 
-# 9. options were checked only after the trace or the scan -------------------------------------------
+# options are checked before the trace and the scan ----------------------------------------------------
 
 @pytest.mark.parametrize("args, code, message", [
     (["--margin", "0"], 2, "--margin must be a finite number >= 1"),
@@ -204,7 +188,7 @@ def test_tokenizer_ids_beyond_the_embedding_table_name_the_tokenizer(tmp_path):
     (["--max-batch", "0"], 2, "--max-batch must be an integer >= 1"),
     (["--opt-batch", "64"], 2, "--opt-batch 64 exceeds --max-batch 32"),
     (["--workspace-gib", "-1"], 2, "--workspace-gib must be a positive number"),
-    (["--calibration", "/no/such/texts.txt"], 1, "/no/such/texts.txt: text file not found"),
+    (["--calibration", "/no/such/texts.txt"], 1, "/no/such/texts.txt (text file): file not found"),
     (["--split-seq", "512,64"], 2, "--split-seq must be strictly increasing"),
     # datacenter TensorRT cannot be installed on this machine: named explicitly, it fails before the trace
     (["--engine", "tensorrt"], 2, "--engine tensorrt: tensorrt is not installed"),
@@ -217,7 +201,7 @@ def test_options_are_checked_before_any_work(ck, tmp_path, args, code, message):
     assert time.monotonic() - started < 60
 
 
-# 10. NaN weights were reported against a temp path and an ONNX name; user errors exited 2 -------------
+# NaN weights are named by checkpoint file and tensor; input errors exit 1 -----------------------------
 
 def test_non_finite_weights_name_the_checkpoint_tensor(ck, tmp_path):
     import shutil
@@ -252,7 +236,7 @@ def test_a_bug_is_exit_3_and_usage_is_exit_2(ck, tmp_path):
     assert cli("--no-such-option").returncode == 2
 
 
-# 11. without --out, "build the engine later" named the staging folder -------------------------------
+# without --out, "build the engine later" names the bundle folder --------------------------------------
 
 @pytest.fixture(scope="module")
 def fp16_exported(ck, tmp_path_factory):
@@ -269,7 +253,7 @@ def test_engine_later_line_names_the_bundle_not_the_staging_folder(ck, fp16_expo
     assert "partial" not in proc.stdout and (bundle / "model.fp16.onnx").is_file()
 
 
-# 4. a failed --engine-only deleted the plan and the bundle no longer opened -------------------------
+# a failed --engine-only keeps the plan and the bundle opens -------------------------------------------
 
 def test_a_failed_engine_only_leaves_the_bundle_byte_identical(fp16_exported, tmp_path):
     """A real TensorRT-RTX build succeeds, then the precision walk fails: the bundle's precision.json

@@ -21,29 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import RUNTIME_TEXTS, SMALL, make_checkpoint, write_json
+from helpers import RUNTIME_TEXTS, TINY, error_line, make_checkpoint, snapshot, write_json
+from helpers import export_cli as cli
 
 from mbert.bundle import open_bundle, owner
 from mbert.export.transaction import clean_leftovers, stage_copy, transaction
 from mbert.runtime import Encoder
-
-TINY = dict(SMALL, num_hidden_layers=2, local_attention=16)
-
-
-def cli(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "mbert.export.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
-
-
-def error_line(proc) -> str:
-    lines = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "internal error:"))]
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    return lines[0]
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def dead_pid() -> int:

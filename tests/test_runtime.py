@@ -342,7 +342,7 @@ def test_runtime_pooling_equals_sentence_transformers(modes):
     np.testing.assert_allclose(pool(hidden, mask, modes, True), normed, atol=1e-5)
 
 
-# --- arguments (issue 8, defect 13) -------------------------------------------------------------------
+# --- arguments: unordered inputs and bad arguments are refused ----------------------------------------
 
 def test_unordered_inputs_and_bad_arguments_are_refused(cls_encoder):
     with pytest.raises(TypeError, match="texts is a set, which has no order"):

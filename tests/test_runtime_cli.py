@@ -99,7 +99,7 @@ def test_errors_are_one_line_and_debug_shows_the_exception(bundles, runner, tmp_
     assert usage.exit_code == 2 and ".npy or .jsonl" in usage.stderr
 
 
-# --- output names and text validation (issue 8, defect 12) -------------------------------------------
+# --- output names and text validation -----------------------------------------------------------------
 
 def test_output_is_written_exactly_as_named(bundles, runner, encoder, tmp_path):
     for name in ("V.NPY", "v.Npy"):

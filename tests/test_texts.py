@@ -5,14 +5,8 @@ import json
 
 import pytest
 
+from mbert.bundle.errors import TextFileError
 from mbert.bundle.texts import calibration_texts, load_text_file
-
-try:
-    from mbert.bundle.errors import TextFileError
-except ImportError:  # pragma: no cover - the errors module is written separately
-    TextFileError = None
-
-needs_errors = pytest.mark.skipif(TextFileError is None, reason="mbert.bundle.errors.TextFileError missing")
 
 
 # ----------------------------------------------------------------------------- built-in set
@@ -80,14 +74,12 @@ def test_load_jsonl_strings_and_objects(tmp_path):
     assert load_text_file(path) == ["a plain string", "from an object", "multi\nline"]
 
 
-@needs_errors
 def test_missing_file_names_the_file(tmp_path):
     path = tmp_path / "nope.txt"
     with pytest.raises(TextFileError, match="nope.txt"):
         load_text_file(path)
 
 
-@needs_errors
 @pytest.mark.parametrize("name", ["empty.txt", "empty.jsonl"])
 def test_empty_file_is_an_error(tmp_path, name):
     path = tmp_path / name
@@ -96,7 +88,6 @@ def test_empty_file_is_an_error(tmp_path, name):
         load_text_file(path)
 
 
-@needs_errors
 def test_undecodable_file_names_file_and_line(tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes(b"fine\nalso fine\ncaf\xe9\n")
@@ -105,7 +96,6 @@ def test_undecodable_file_names_file_and_line(tmp_path):
     assert "latin1.txt:3" in str(info.value)
 
 
-@needs_errors
 @pytest.mark.parametrize(
     "bad_line",
     [
@@ -125,7 +115,6 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, bad_line):
     assert "bad.jsonl:3" in str(info.value)
 
 
-@needs_errors
 def test_text_file_error_is_an_mbert_error(tmp_path):
     from mbert.bundle.errors import MbertError
 

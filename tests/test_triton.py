@@ -17,12 +17,13 @@ model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
 from mbert.bundle import Profile  # noqa: E402
 from mbert.bundle.errors import BundleError  # noqa: E402
+from mbert.bundle.names import TRITON_ONNX, TRITON_PLAN, TRITON_PYTHON  # noqa: E402
 from mbert.export.tensorrt.build import profiles_from  # noqa: E402
 from mbert.export.triton.pbtxt import Enum, to_pbtxt  # noqa: E402
 from mbert.export.triton.writer import TritonSpec, default_buckets, write_triton_repository  # noqa: E402
 from mbert.modeling.graph import TensorSpec  # noqa: E402
 from mbert.runtime.serve import models as triton_models  # noqa: E402
-from mbert.runtime.serve.server import ensembles, serving_copy, set_ensemble_encoder  # noqa: E402
+from mbert.runtime.serve.repository import ensembles, serving_copy, set_ensemble_encoder  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HIDDEN = 8
@@ -194,75 +195,86 @@ def test_bad_spec_raises_bundle_error(change, message):
 
 # --- the repository ------------------------------------------------------------------------------
 
-def test_repository_without_plan(bundle: Path):
-    profiles = profiles_from(8, 64, split_seq=[16])
-    repo = write_triton_repository(bundle, make_spec(profiles=profiles))
+BACKEND_FILE = {"python": TRITON_PYTHON, "onnxruntime_onnx": TRITON_ONNX, "tensorrt_plan": TRITON_PLAN}
+
+
+def backend_of(config) -> str:
+    return config.backend or config.platform
+
+
+def triton_json(config) -> dict:
+    """A parsed config as the JSON Triton hands a Python model's ``initialize`` (``model_config``)."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(config, preserving_proto_field_name=True)
+
+
+def onnx_tensors(path: Path) -> tuple[dict, dict]:
+    """The inputs and outputs of an ONNX file as Triton's ONNX Runtime backend checks them against the
+    config at load: name -> (Triton type, dims without the batch axis, symbolic as -1)."""
+    types = {TensorProto.INT64: DT.TYPE_INT64, TensorProto.FLOAT: DT.TYPE_FP32, TensorProto.FLOAT16: DT.TYPE_FP16}
+
+    def of(values):
+        return {v.name: (types[v.type.tensor_type.elem_type],
+                         [d.dim_value if d.HasField("dim_value") else -1 for d in v.type.tensor_type.shape.dim[1:]])
+                for v in values}
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return of(graph.input), of(graph.output)
+
+
+def test_repository_without_plan_is_what_triton_loads(bundle: Path):
+    """Checked against what Triton and the spec require, not against the writer's dicts: every model has
+    the file its backend loads, the ONNX models' configs declare their files' tensors, the Python
+    models read the spec's settings back from their configs, and the ensemble is wired end to end."""
+    spec = make_spec(profiles=profiles_from(8, 64, split_seq=[16]))
+    repo = write_triton_repository(bundle, spec)
     assert repo == bundle / "triton"
     configs = all_configs(repo)
-    assert set(configs) == {"tiny-embed", "tiny-embed_tokenizer", "tiny-embed_python",
-                            "tiny-embed_onnx"}
+    name = spec.model_name
+    assert set(configs) == {name, f"{name}_tokenizer", f"{name}_python", f"{name}_onnx"}
+    assert {c.max_batch_size for c in configs.values()} == {spec.max_batch}
 
-    tok = configs["tiny-embed_tokenizer"]
-    assert tok.backend == "python" and not tok.platform and tok.max_batch_size == 8
-    assert tensors(tok.input) == {"TEXT": (DT.TYPE_STRING, [1])}
-    assert tensors(tok.output) == {"input_ids": (DT.TYPE_INT64, [-1]),
-                                   "attention_mask": (DT.TYPE_INT64, [-1]),
-                                   "num_tokens": (DT.TYPE_INT64, [1]),
-                                   "truncated": (DT.TYPE_BOOL, [1])}
-    assert tok.instance_group[0].kind == KIND.KIND_CPU and tok.HasField("dynamic_batching")
-    params = {k: v.string_value for k, v in tok.parameters.items()}
-    assert params == {"role": "tokenizer", "max_length": "64", "pad_id": str(PAD),
-                      "length_buckets": "16,32,64"}
-    assert (repo / "tiny-embed_tokenizer/1/tokenizer.json").read_bytes() == \
-        (bundle / "tokenizer.json").read_bytes()
-
-    py = configs["tiny-embed_python"]
-    assert py.backend == "python" and py.max_batch_size == 8
-    assert all(t.allow_ragged_batch for t in py.input)  # requests of any length share a batch
-    assert tensors(py.input) == {"input_ids": (DT.TYPE_INT64, [-1]),
-                                 "attention_mask": (DT.TYPE_INT64, [-1])}
-    assert tensors(py.output) == {"last_hidden_state": (DT.TYPE_FP32, [-1, HIDDEN]),
-                                  "sentence_embedding": (DT.TYPE_FP32, [HIDDEN])}
-    assert {k: v.string_value for k, v in py.parameters.items()} == {
-        "role": "encoder", "onnx_file": "model.onnx", "max_length": "64", "pad_id": str(PAD),
-        "batch_size": "8", "max_batch_tokens": "16384"}
-    for model in ("tiny-embed_tokenizer", "tiny-embed_python"):
-        code = (repo / model / "1" / "model.py").read_text()
+    for model, config in configs.items():  # the version folder holds what the backend loads by default
+        if config.platform == "ensemble":
+            assert (repo / model / "1").is_dir()
+        else:
+            assert (repo / model / "1" / BACKEND_FILE[backend_of(config)]).is_file(), model
+    for model in (f"{name}_tokenizer", f"{name}_python"):
+        code = (repo / model / "1" / TRITON_PYTHON).read_text()
         assert "from mbert.runtime.serve.models import TritonPythonModel" in code
-    assert (repo / "tiny-embed_python/1/model.onnx").read_bytes() == \
-        (bundle / "model.onnx").read_bytes()
+    assert (repo / f"{name}_tokenizer/1/tokenizer.json").read_bytes() == (bundle / "tokenizer.json").read_bytes()
 
-    onnx_cfg = configs["tiny-embed_onnx"]
-    assert onnx_cfg.platform == "onnxruntime_onnx" and onnx_cfg.max_batch_size == 8
-    assert tensors(onnx_cfg.input) == tensors(py.input)
-    assert not any(t.allow_ragged_batch for t in onnx_cfg.input)
-    assert tensors(onnx_cfg.output) == tensors(py.output)
-    assert onnx_cfg.instance_group[0].kind == KIND.KIND_AUTO
-    assert onnx_cfg.HasField("dynamic_batching")
-    assert not onnx_cfg.dynamic_batching.preferred_batch_size
+    for model in (f"{name}_python", f"{name}_onnx"):  # the config declares the graph's own tensors
+        assert (repo / model / "1" / TRITON_ONNX).read_bytes() == (bundle / "model.onnx").read_bytes()
+        inputs, outputs = onnx_tensors(repo / model / "1" / TRITON_ONNX)
+        assert tensors(configs[model].input) == inputs and tensors(configs[model].output) == outputs, model
+    assert all(t.allow_ragged_batch for t in configs[f"{name}_python"].input)  # it re-batches rows itself
+    assert not any(t.allow_ragged_batch for t in configs[f"{name}_onnx"].input)  # its batcher needs equal shapes
 
-    ensemble = configs["tiny-embed"]
-    assert ensemble.platform == "ensemble" and ensemble.max_batch_size == 8
-    assert tensors(ensemble.input) == {"TEXT": (DT.TYPE_STRING, [1])}
-    assert tensors(ensemble.output) == {"sentence_embedding": (DT.TYPE_FP32, [HIDDEN]),
-                                        "num_tokens": (DT.TYPE_INT64, [1]),
-                                        "truncated": (DT.TYPE_BOOL, [1])}
-    assert check_ensemble(configs, ensemble) == ["tiny-embed_tokenizer", "tiny-embed_python"]
-    assert (repo / "tiny-embed" / "1").is_dir()
+    tok = triton_models.TokenizerModel(triton_json(configs[f"{name}_tokenizer"]), repo / f"{name}_tokenizer" / "1",
+                                       pb_utils=None)
+    assert (tok.max_length, tok.pad_id, tuple(tok.buckets)) == (spec.max_length, spec.pad_id, spec.length_buckets)
+    assert len(tok.text.encode(["tea " * 200])[0].ids) == spec.max_length
+    enc = triton_models.EncoderModel(triton_json(configs[f"{name}_python"]), repo / f"{name}_python" / "1",
+                                     pb_utils=None)
+    assert (enc.max_length, enc.pad_id, enc.batch_size, enc.max_batch_tokens) == \
+        (spec.max_length, spec.pad_id, spec.max_batch, spec.batch_tokens)
+    assert enc.outputs == [t.name for t in spec.outputs] and enc.per_token == {"last_hidden_state"}
 
-    # no plan: the TensorRT model is written outside the repository Triton scans
-    pending = bundle / "triton_pending" / "tiny-embed_trt"
+    ensemble = configs[name]
+    assert check_ensemble(configs, ensemble) == [f"{name}_tokenizer", f"{name}_python"]
+    assert [t.name for t in ensemble.output] == [*spec.ensemble_outputs, "num_tokens", "truncated"]
+
+    # no plan: the TensorRT model waits outside the repository Triton scans, with what it needs to be added
+    pending = bundle / "triton_pending" / f"{name}_trt"
     trt = parse(pending / "config.pbtxt")
-    assert trt.platform == "tensorrt_plan" and trt.max_batch_size == 8
-    assert trt.instance_group[0].kind == KIND.KIND_GPU
-    assert list(trt.instance_group[0].profile) == ["0", "1"]
-    assert tensors(trt.input) == tensors(onnx_cfg.input)
-    assert tensors(trt.output) == tensors(onnx_cfg.output)
-    assert "model.plan" in (pending / "1" / "README").read_text()
-    assert "optimization profile 1: (batch, seq) min=(1, 17)" in \
-        (pending / "config.pbtxt").read_text()
+    assert backend_of(trt) == "tensorrt_plan" and trt.instance_group[0].kind == KIND.KIND_GPU
+    assert [int(p) for p in trt.instance_group[0].profile] == list(range(len(spec.profiles)))
+    assert tensors(trt.input) == tensors(configs[f"{name}_onnx"].input)
+    assert tensors(trt.output) == tensors(configs[f"{name}_onnx"].output)
+    assert not (pending / "1" / TRITON_PLAN).exists() and TRITON_PLAN in (pending / "1" / "README").read_text()
     assert "TensorRT-RTX" in (pending / "config.pbtxt").read_text()
-    assert not (pending / "1" / "model.plan").exists()
     readme = (repo / "README.md").read_text()
     assert "triton_pending" in readme and "mbert-run serve" in readme
 
@@ -374,8 +386,9 @@ def test_package_never_imports_the_template():
 def test_decode_texts_names_the_bad_row():
     texts = np.array([["tea".encode()], ["thé".encode()]], dtype=object)
     assert triton_models.decode_texts(texts) == ["tea", "thé"]
-    with pytest.raises(ValueError, match=r"TEXT\[1\] is empty"):
-        triton_models.decode_texts(np.array([[b"a"], [b""]], dtype=object))
+    assert triton_models.decode_texts(np.array([[b"a"], [b""]], dtype=object)) == ["a", ""]  # embedded as [CLS] [SEP]
+    with pytest.raises(ValueError, match=r"TEXT\[1\] is int, expected UTF-8 bytes"):
+        triton_models.decode_texts(np.array([[b"a"], [5]], dtype=object))
     with pytest.raises(ValueError, match=r"TEXT\[0\] is not valid UTF-8 \(invalid start byte at byte 2\)"):
         triton_models.decode_texts(np.array([[b"ab\xff"]], dtype=object))
 
@@ -395,19 +408,23 @@ def test_bucket_length_and_row_lengths():
         triton_models.row_lengths(ids, mask[:, :3], 4)
 
 
-def test_serving_copy_switches_the_encoder_and_leaves_the_bundle_alone(bundle: Path, tmp_path: Path):
-    """``mbert-run serve --encoder``: the server runs on a copy whose ensemble routes elsewhere; the
-    (sealed) repository itself is untouched, and the copy's large files are links to it."""
-    repo = write_triton_repository(bundle, make_spec())
-    before = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()}
-    copy = serving_copy(repo, "onnx", tmp_path / "serve")
-    assert ensembles(copy)["tiny-embed"][-1] == "tiny-embed_onnx"
-    assert ensembles(repo)["tiny-embed"][-1] == "tiny-embed_python"
-    assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == before
-    onnx_copy = copy / "tiny-embed_onnx" / "1" / "model.onnx"
-    assert onnx_copy.is_symlink() and onnx_copy.resolve() == (repo / "tiny-embed_onnx" / "1" / "model.onnx").resolve()
-    with pytest.raises(BundleError, match="no model tiny-embed_trt"):
-        serving_copy(repo, "trt", tmp_path / "serve2")
+def test_serving_copy_switches_the_encoder_and_leaves_the_bundle_alone(bundles, tmp_path: Path):
+    """``mbert-run serve --encoder``: the server runs on a copy of the opened bundle's repository whose
+    ensemble routes elsewhere; the sealed bundle is untouched, and the copy's large files are hard
+    links to the files that were verified."""
+    from mbert.bundle import open_bundle
+
+    opened = open_bundle(bundles.bundle("mean"))
+    repo, name = opened.path / opened.manifest.triton.repository, opened.manifest.triton.ensemble
+    before = {p: p.read_bytes() for p in opened.path.rglob("*") if p.is_file()}
+    copy = serving_copy(opened, "onnx", tmp_path / "serve")
+    assert ensembles(copy)[name][-1] == f"{name}_onnx"
+    assert ensembles(repo)[name][-1] == f"{name}_python"
+    assert {p: p.read_bytes() for p in opened.path.rglob("*") if p.is_file()} == before
+    onnx_copy = copy / f"{name}_onnx" / "1" / TRITON_ONNX
+    assert onnx_copy.stat().st_ino == (repo / f"{name}_onnx" / "1" / TRITON_ONNX).stat().st_ino
+    with pytest.raises(BundleError, match=f"no model {name}_trt"):
+        serving_copy(opened, "trt", tmp_path / "serve2")
 
 
 def test_serve_command_refuses_what_is_not_a_verified_bundle(bundle: Path, tmp_path: Path):

@@ -7,8 +7,11 @@ One server for the module (free loopback ports, bounded start, stopped even when
 """
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +34,7 @@ from mbert.export.tensorrt.build import profiles_from
 from mbert.export.triton.writer import spec_for, write_triton_repository
 from mbert.runtime import Encoder, TritonEncoder
 from mbert.runtime.serve.models import TRUNCATED_METRIC
-from mbert.runtime.serve.server import ServeError, TritonServer, find_tritonserver, prepare_backends
+from mbert.runtime.serve.server import SHM_PREFIX, ServeError, TritonServer, find_tritonserver, prepare_backends
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 pytest.importorskip("tritonclient.grpc")
@@ -208,7 +211,6 @@ def test_bad_requests_get_errors_and_the_server_stays_up(served):
     name = served.name
     text = lambda *rows: np.array([[r] for r in rows], dtype=object)  # noqa: E731
     cases = [
-        ("empty text", name, [("TEXT", text(b"tea", b""), "BYTES")], r"TEXT\[1\] is empty"),
         ("non-UTF-8", name, [("TEXT", text(b"caf\xe9 au lait"), "BYTES")],
          r"TEXT\[0\] is not valid UTF-8 \(invalid continuation byte at byte 3\)"),
         ("wrong dtype", name, [("TEXT", np.array([[1.5]], dtype=np.float32), "FP32")],
@@ -303,7 +305,16 @@ def test_concurrent_load(served):
     assert len(latencies) == clients * per_client  # none lost
     assert worst[0] >= MIN_COSINE
 
-    after = {m: statistics(served, m) for m in before}
+    # Triton counts a request after its response is sent, so the last ones may lag the answers: poll
+    # until every model has counted them all, bounded in time (a count that never arrives fails below).
+    deadline = time.monotonic() + 30
+    while True:
+        after = {m: statistics(served, m) for m in before}
+        counted = all(after[m]["inference_count"] - before[m]["inference_count"] >= clients * per_client
+                      for m in before)
+        if counted or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     python = f"{served.name}_python"
     inferences = after[python]["inference_count"] - before[python]["inference_count"]
     executions = after[python]["execution_count"] - before[python]["execution_count"]
@@ -320,39 +331,120 @@ def test_concurrent_load(served):
           f"seen (all time): {dict(sorted(sizes.items()))}")
 
 
+def test_an_empty_text_gets_the_runtime_answer_from_the_server_and_the_client(served):
+    """One answer everywhere: an empty text embeds as ``[CLS] [SEP]``, as ``Encoder.encode([""])`` does
+    (the server refused it with "TEXT[i] is empty", and so did TritonEncoder, while the runtime embedded it)."""
+    want = served.encoder.encode(["", "tea"])
+    lengths = [len(e.ids) for e in served.encoder.text.encode(["", "tea"])]
+    assert lengths[0] == 2  # [CLS] [SEP]
+    result = _infer(http_client(served), served.name,
+                    [("TEXT", np.array([[b""], [b"tea"]], dtype=object), "BYTES")])
+    assert result.as_numpy("num_tokens").ravel().tolist() == lengths
+    assert cosines(result.as_numpy("sentence_embedding"), want).min() >= MIN_COSINE
+    for protocol in ("http", "grpc"):
+        url = served.server.http_url if protocol == "http" else served.server.grpc_url
+        got = TritonEncoder(url, protocol=protocol).encode(["", "tea"])
+        assert cosines(got, want).min() >= MIN_COSINE, protocol
+
+
 # --- mbert-run serve -----------------------------------------------------------------------------
 
-def test_serve_command_starts_answers_and_stops_on_signal(served):
-    sealed = served.bundle.parent / "sealed"
-    command = [sys.executable, "-c", "from mbert.runtime.cli.serve import serve; serve()", str(sealed),
-               "--ready-timeout", "240"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+SERVE = [sys.executable, "-c", "from mbert.runtime.cli.serve import serve; serve()"]
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} ")  # Triton's own log lines (glog: I1201 19:55:01.709 ...)
+
+
+def _start_serve(args: list, env: dict | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """``mbert-run serve ARGS`` started, and its standard error up to its "Ctrl-C stops it." line."""
+    process = subprocess.Popen([*SERVE, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True, env=env)
     lines: list[str] = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("Ctrl-C stops it."):
+            break
+    return process, lines
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+def test_serve_command_starts_answers_and_stops_on_signal(served):
+    """With its defaults, as the README shows it: Triton's ports 8000/8001/8002, ``TritonEncoder("localhost:8000")``
+    answers; the console shows the endpoints and the curl line, not Triton's log (which goes to a file)."""
+    sealed = served.bundle.parent / "sealed"
+    process, lines = _start_serve([sealed, "--ready-timeout", "240"])
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = process.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("Ctrl-C stops it."):
-                break
         banner = "".join(lines)
         assert "Ctrl-C stops it." in banner, banner[-3000:]
-        http = next(x.split()[-1] for x in lines if x.strip().startswith("HTTP"))
+        endpoint = {x.split()[0]: x.split()[-1] for x in lines if x.startswith("  ")}
+        assert (endpoint["HTTP"], endpoint["gRPC"]) == ("http://127.0.0.1:8000", "127.0.0.1:8001")
+        assert endpoint["metrics"] == "http://127.0.0.1:8002/metrics"
+        assert not [x for x in lines if GLOG_LINE.match(x) or "CUDA" in x or "NVML" in x], banner
+        assert Path(endpoint["log"]).name == "tritonserver.log" and Path(endpoint["log"]).stat().st_size > 0
+        http = endpoint["HTTP"]
         curl = next(x for x in lines if x.strip().startswith("try"))
         assert f"curl -s -X POST {http}/v2/models/{served.name}/infer" in curl
-        got = TritonEncoder(http.removeprefix("http://")).encode(served.texts[:4])
+        got = TritonEncoder("localhost:8000").encode(served.texts[:4])
         assert cosines(got, served.want[:4]).min() >= MIN_COSINE
         process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=60)  # drains stderr (Triton's shutdown log)
+        rest = process.communicate(timeout=60)[1]
         assert process.returncode == 0
+        assert not [x for x in rest.splitlines() if GLOG_LINE.match(x)], rest[-3000:]  # the shutdown log too
         open_bundle(sealed)  # serving wrote nothing into the sealed bundle (no __pycache__)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_serve_names_a_taken_port_in_one_line_and_leaves_nothing(served, tmp_path):
+    """A port in use: one line naming it and its option, before Triton starts (it said "exited before
+    it was ready (log on the console)" and left a shared-memory segment)."""
+    sealed = served.bundle.parent / "sealed"
+    shm_before = set(os.listdir("/dev/shm"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([*SERVE, str(sealed), "--http-port", str(port), "--grpc-port", "0",
+                               "--metrics-port", "0"], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"Error: port {port} on 127.0.0.1 (--http-port) is in use "
+                                                "(Address already in use); choose another with --http-port"]
+    assert set(os.listdir("/dev/shm")) - shm_before == set() and list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_serve_leaves_a_folder_the_next_one_removes(served, tmp_path):
+    """``kill -9`` of ``mbert-run serve``: its marked serve folder stays (no handler runs); the next serve
+    command removes it, with its shared-memory segments, and nothing else named like it."""
+    sealed = served.bundle.parent / "sealed"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    foreign = tmp_path / "mbert-serve-123-abcd"  # named like one, not marked: never touched
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("someone's")
+    process, lines = _start_serve([sealed, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+                                   "--ready-timeout", "240"], env)
+    try:
+        assert lines and lines[-1].startswith("Ctrl-C stops it."), "".join(lines)[-3000:]
+        folders = [p for p in tmp_path.glob("mbert-serve-*") if p != foreign and p.is_dir()]
+        assert len(folders) == 1 and (folders[0] / "tritonserver.log").is_file()
+        process.kill()  # kill -9 of the command; its tritonserver stops with its parent
+        process.wait(timeout=60)
+    finally:
+        _stop(process)
+    assert folders[0].is_dir()
+    again = subprocess.run([*SERVE, str(tmp_path / "no-such-bundle"), "--http-port", "0", "--grpc-port", "0",
+                            "--metrics-port", "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert again.returncode == 1 and "no-such-bundle" in again.stderr, again.stderr
+    assert sorted(p.name for p in tmp_path.glob("mbert-serve-*")) == [foreign.name]  # folder and marker gone
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"{SHM_PREFIX}{process.pid}_")]
 
 
 # --- the launcher's failure paths (no fixture server) ---------------------------------------------

@@ -379,15 +379,3 @@ def load_precision(path: Path) -> tuple[ScanReport, Plan]:
         return ScanReport.from_dict(data["scan"]), Plan.from_dict(data["plan"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise PrecisionError(f"{path}: not a valid precision.json ({exc})") from exc
-
-
-def scan_table(report: ScanReport, plan_: Plan) -> list[tuple[str, str, str, str, str, str]]:
-    """Rows (layer, site, max |x|, p99.9, headroom, verdict) for printing."""
-    rows = []
-    for s in report.stats:
-        fp32 = any(d.layer == s.layer and d.site == s.site for d in plan_.decisions)
-        verdict = "OVERFLOW" if s.max_abs >= FP16_MAX else ("FP32" if fp32 else "fp16 ok")
-        rows.append(("-" if s.layer is None else str(s.layer), s.site, f"{'<= ' if s.bound else ''}{s.max_abs:.4g}",
-                     f"{s.percentile:.4g}",
-                     f"{s.headroom:.1f}x", verdict))
-    return rows

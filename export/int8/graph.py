@@ -157,12 +157,12 @@ def kernels_run(onnx_path: Path, ids: np.ndarray, mask: np.ndarray, threads: int
     profiler (after its graph optimizations and fusions)."""
     import onnxruntime as ort
 
+    from mbert.runtime.backends.onnxruntime import session_options
+
     with tempfile.TemporaryDirectory() as d:
-        opts = ort.SessionOptions()
+        opts = session_options(threads)  # the runtime's: the kernels it will run
         opts.enable_profiling = True
         opts.profile_file_prefix = os.path.join(d, "int8")
-        if threads:
-            opts.intra_op_num_threads = threads
         session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
         session.run(None, {"input_ids": ids, "attention_mask": mask})
         events = json.loads(Path(session.end_profiling()).read_text())

@@ -28,10 +28,10 @@ ModernBERT-base, random weights; ``benchmarks/results/onnx_cpu.md``):
   then proves no remainder identities: less symbolic-shape work per traced layer).
 * Masks are an additive FP32 bias: with ``Where`` (select) masking, ONNX Runtime's broadcasting
   Where took 47% of a 1 x 8192 forward (24 s of 52 s in its profiler).
-* Global layers: before issue 11 one head at a time in standard ops (peak RSS at 1 x 8192 3.9 GB
-  instead of 15.5 GB for all heads at once; 25.4 s, MatMul 77% at ~195 GFLOP/s, the bias Add 8%,
-  Softmax 7%). Now the ONNX Runtime form runs them in MultiHeadAttention's flash kernel, which
-  never materializes the scores (measurements in ``mbert.export.onnx.lowering``).
+* Global layers run in MultiHeadAttention's flash kernel in the ONNX Runtime form, which never
+  materializes the scores: in standard ops all heads at once peak at 15.5 GB RSS at 1 x 8192, and
+  one head at a time at 3.9 GB and 38.5 s against the fused 35.3 s, 2.06 GiB
+  (``benchmarks/results/onnx_cpu.md``; measurements in ``mbert.export.onnx.lowering``).
 """
 from __future__ import annotations
 
@@ -134,7 +134,10 @@ def export_targets(
         captured = program.exported_program
         meter.advance(8, f"{target}: traced, translated and optimized")
         path.parent.mkdir(parents=True, exist_ok=True)
-        program.save(str(path), external_data=external)
+        try:
+            program.save(str(path), external_data=external)
+        except OSError as exc:  # onnx's save names no file: a full disk is this file's, say so
+            raise type(exc)(exc.errno, exc.strerror or str(exc), str(path)) from exc
         meter.advance(1, f"{target}: saved {path.name}")
         check_graph(path)
         check_dynamic_axes(path)

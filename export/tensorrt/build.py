@@ -28,7 +28,7 @@ machine without one (read back from the config with 1.7.1). The limit caps the s
 activation memory the builder may plan for; it allocates nothing. ModernBERT's activation memory
 grows with the largest profile shape (batch x sequence): the full-size FP16 build at 32 x 8192
 asks for 4.59 GB and FP32 for ~13 GB (``benchmarks/tensorrt_build.py``), so a fixed cap such as
-the previous default of 4 GiB fails the default profile with OutOfMemory, and any fixed number
+4 GiB fails the default profile with OutOfMemory, and any fixed number
 fails some profile. The real bound is the memory of the GPU the plan runs on; ``--workspace-gib``
 lowers the cap where a smaller GPU must be served. The record keeps the limit the config had.
 """
@@ -331,6 +331,9 @@ def _build(parsed: ParsedNetwork, config: Any, say: Callable[[str], None] | None
         plan = parsed.builder.build_serialized_network(parsed.network, config)
         seconds = time.perf_counter() - started
         config.progress_monitor = None
+        if interrupted() and say is not None:  # the interrupt is raised when the block ends
+            say(f"TensorRT build cancelled by the interrupt after {seconds:.1f}s"
+                + ("" if plan is None else " (it had finished; its plan is discarded)"))
     return plan, list(log) + [(2, line) for line in printed], seconds
 
 

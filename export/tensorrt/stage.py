@@ -42,9 +42,11 @@ class EngineOutcome:
 
 
 def engine_stage(staging: Path, target: Path, max_len: int, options: ExportOptions,
-                 cases: Sequence[Case], say: Callable[[str], None] = lambda message: None) -> EngineOutcome:
-    """Build and check the plan in ``staging`` (the bundle will be ``target``); ``say`` reports each step."""
-    later = f"build it later from this bundle with: mbert-export --engine-only {target}"
+                 cases: Sequence[Case], say: Callable[[str], None] = lambda message: None,
+                 named: Path | None = None) -> EngineOutcome:
+    """Build and check the plan in ``staging`` (the bundle will be ``target``, which the user calls
+    ``named``); ``say`` reports each step."""
+    later = f"build it later from this bundle with: mbert-export --engine-only {named or target}"
     if options.engine == "none":
         return EngineOutcome(None, None, f"no TensorRT engine (--engine none); {later}")
     try:

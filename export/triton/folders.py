@@ -2,22 +2,16 @@
 each model, the Python models' ``model.py`` shim, the graphs and plan (hard-linked), and READMEs."""
 from __future__ import annotations
 
-import os
-import shutil
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
 from mbert.bundle.errors import BundleError
-from mbert.bundle.names import TOKENIZER
+from mbert.bundle.files import link_or_copy
+from mbert.bundle.names import TOKENIZER, TRITON_CONFIG, TRITON_ONNX, TRITON_PLAN, TRITON_PYTHON
 from mbert.bundle.tensors import INPUT_NAMES, TensorSpec
 from mbert.export.triton.pbtxt import Enum, to_pbtxt
 from mbert.export.triton.spec import _TYPES, TOKENIZER_EXTRA, TritonSpec, dims
-
-# The file names Triton's backends look for in a model's version folder (their defaults).
-TRITON_ONNX = "model.onnx"
-TRITON_PLAN = "model.plan"
-TRITON_PYTHON = "model.py"
 
 
 def triton_tensor(t: TensorSpec) -> dict[str, Any]:
@@ -26,15 +20,7 @@ def triton_tensor(t: TensorSpec) -> dict[str, Any]:
 
 def _write_config(model_dir: Path, config: dict[str, Any], comments: Sequence[str] = ()) -> None:
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(to_pbtxt(config, comments))
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
+    (model_dir / TRITON_CONFIG).write_text(to_pbtxt(config, comments))
 
 
 def _params(**values: Any) -> list[dict[str, Any]]:
@@ -72,7 +58,7 @@ def tokenizer(model_dir: Path, tokenizer_json: Path, spec: TritonSpec) -> None:
         "A non-UTF-8 text fails its request with an error naming the row; an empty text is embedded",
         "as [CLS] [SEP], as mbert.runtime embeds it."])
     _copy_model_py(model_dir)
-    _link_or_copy(tokenizer_json, model_dir / "1" / TOKENIZER)
+    link_or_copy(tokenizer_json, model_dir / "1" / TOKENIZER)
 
 
 def python_encoder(model_dir: Path, onnx_path: Path, spec: TritonSpec) -> None:
@@ -106,9 +92,9 @@ def onnx_model(model_dir: Path, onnx_path: Path, spec: TritonSpec) -> None:
 
 
 def _link_onnx(onnx_path: Path, version_dir: Path) -> None:
-    _link_or_copy(onnx_path, version_dir / TRITON_ONNX)
+    link_or_copy(onnx_path, version_dir / TRITON_ONNX)
     for location in _external_data(onnx_path):
-        _link_or_copy(onnx_path.parent / location, version_dir / location)
+        link_or_copy(onnx_path.parent / location, version_dir / location)
 
 
 def trt_model(model_dir: Path, plan: Path | None, spec: TritonSpec) -> None:
@@ -127,7 +113,7 @@ def trt_model(model_dir: Path, plan: Path | None, spec: TritonSpec) -> None:
         "instance_group": [group], "dynamic_batching": _batching(spec),
     }, comments)
     if plan is not None:
-        _link_or_copy(plan, model_dir / "1" / TRITON_PLAN)
+        link_or_copy(plan, model_dir / "1" / TRITON_PLAN)
     else:
         (model_dir / "1" / "README").write_text(_PENDING_README.format(name=model_dir.name))
 

@@ -51,7 +51,6 @@ PORTABLE_CAPABILITIES = ("8.0", "8.6", "8.9", "12.0")
 # with (compute-capability targets, get_engine_validity); earlier 1.x releases are unverified.
 VERSION_RANGES = {"tensorrt": ((10, 12), (12, 0)), "tensorrt-rtx": ((1, 7), (2, 0))}
 # ILogger.Severity (same in both families): INTERNAL_ERROR=0, ERROR=1, WARNING=2, INFO=3, VERBOSE=4.
-SEVERITY_NAMES = {0: "INTERNAL_ERROR", 1: "ERROR", 2: "WARNING", 3: "INFO", 4: "VERBOSE"}
 _PY_LEVELS = {0: logging.CRITICAL, 1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO, 4: logging.DEBUG}
 
 _log = logging.getLogger("mbert.tensorrt")

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from mbert.bundle.errors import TextFileError
+from mbert.runtime.corpus import command as corpus_command
 
 BACKEND_CHOICES = ["auto", "tensorrt", "onnxruntime", "onnxruntime-cuda", "onnxruntime-cpu", "eager"]
 
@@ -83,8 +84,9 @@ def _with(opts):
 @click.argument("texts", nargs=-1)
 @click.option("--input", "input_file", type=click.Path(path_type=Path), help="Text file: one text per line, "
               "or .jsonl with strings / {\"text\": ...} objects.")
-@click.option("--output", "output_file", type=click.Path(path_type=Path),
-              help="Write FILE.npy (float32 [N, D]) or FILE.jsonl; default: JSONL on stdout.")
+@click.option("--output", "output_file", type=click.Path(),  # a str: Path() would drop DIR/'s slash
+              help="Write FILE.npy (float32 [N, D]) or FILE.jsonl (default: JSONL on stdout), or a corpus "
+              "job's Parquet shards into DIR/ (a name ending with '/', or a folder).")
 @_with(_backend_opts)
 @click.option("--prompt-name", default=None, help="A prompt named in config_sentence_transformers.json.")
 @click.option("--prompt", default=None, help="A literal prompt prepended to every text.")
@@ -95,10 +97,21 @@ def _with(opts):
               help="L2-normalize (default: as the checkpoint declares).")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar on stderr (default: only when stderr is a terminal).")
+@_with(corpus_command.OPTIONS)
 @_guard
 def embed(bundle, texts, input_file, output_file, backend, device, precision, source, prompt_name, prompt,
-          batch_size, max_batch_tokens, normalize, progress):
-    """Embed TEXT arguments, --input FILE, or lines on standard input."""
+          batch_size, max_batch_tokens, normalize, progress, **corpus):
+    """Embed TEXT arguments, --input FILE, or lines on standard input; --output DIR/ streams a corpus
+    (--input .txt, .jsonl or .parquet) into resumable Parquet shards, on Ray with --ray."""
+    batching = {"max_batch_tokens": max_batch_tokens} if max_batch_tokens else {}
+    if output_file is not None and corpus_command.is_folder(output_file):
+        return corpus_command.run(bundle, texts, input_file, Path(output_file),
+                                  lambda: _open(bundle, backend, device, precision, source, **batching),
+                                  dict(backend=backend, device=device, precision=precision),
+                                  dict(prompt=prompt, prompt_name=prompt_name, normalize=normalize,
+                                       batch_size=batch_size), progress=progress, **corpus)
+    corpus_command.check_options(output_file, **corpus)
+    output_file = None if output_file is None else Path(output_file)
     items = [_argument_text(t, i) for i, t in enumerate(texts)]
     if input_file is not None:
         from mbert.bundle.texts import load_text_file
@@ -110,8 +123,7 @@ def embed(bundle, texts, input_file, output_file, backend, device, precision, so
         raise click.UsageError("no input: give TEXT arguments, --input FILE, or lines on standard input")
     if output_file is not None:
         _check_output(output_file)
-    enc = _open(bundle, backend, device, precision, source,
-                **({"max_batch_tokens": max_batch_tokens} if max_batch_tokens else {}))
+    enc = _open(bundle, backend, device, precision, source, **batching)
     vectors = enc.encode(items, normalize=normalize, batch_size=batch_size, prompt_name=prompt_name,
                          prompt=prompt, show_progress=sys.stderr.isatty() if progress is None else progress)
     stats = enc.last_stats

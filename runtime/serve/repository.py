@@ -3,13 +3,12 @@ repository (the sealed bundle is never modified), its ensembles and the models t
 encoder an ensemble routes to."""
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from mbert.bundle import Bundle
 from mbert.bundle.errors import BundleError
-from mbert.bundle.names import TRITON_ENCODERS
+from mbert.bundle.files import link_tree
+from mbert.bundle.names import TRITON_CONFIG, TRITON_ENCODERS
 
 
 def repository_of(bundle: Bundle) -> Path:
@@ -29,18 +28,7 @@ def serving_copy(bundle: Bundle, encoder: str | None, into: Path) -> Path:
     modifies it."""
     repository = repository_of(bundle)
     copy = Path(into) / repository.name
-    for dirpath, _dirs, names in os.walk(repository):
-        rel = Path(dirpath).relative_to(repository)
-        (copy / rel).mkdir(parents=True, exist_ok=True)
-        for name in names:
-            src, dst = Path(dirpath, name), copy / rel / name
-            if name == "config.pbtxt":
-                shutil.copyfile(src, dst)
-                continue
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copyfile(src, dst)
+    link_tree(repository, copy, copied=(TRITON_CONFIG,))
     if encoder is not None:
         set_ensemble_encoder(copy, encoder)
     return copy
@@ -60,7 +48,7 @@ def ensembles(repository: Path, unreadable: list[str] | None = None) -> dict[str
     """Ensemble name -> the models of its steps, for every ensemble of a repository. Configs that
     do not parse raise, or are skipped with their error appended to ``unreadable`` if given."""
     out = {}
-    for path in sorted(repository.glob("*/config.pbtxt")):
+    for path in sorted(repository.glob(f"*/{TRITON_CONFIG}")):
         try:
             config = _parse_config(path)
         except BundleError as exc:
@@ -94,13 +82,13 @@ def set_ensemble_encoder(repository: Path, encoder: str) -> list[Path]:
         raise BundleError(f"encoder must be one of {', '.join(TRITON_ENCODERS)}, got {encoder!r}")
     changed = []
     for name in ensembles(repository, []):
-        path = repository / name / "config.pbtxt"
+        path = repository / name / TRITON_CONFIG
         config = _parse_config(path)
         step = config.ensemble_scheduling.step[-1]
         target = f"{name}_{encoder}"
         if step.model_name == target:
             continue
-        target_config = repository / target / "config.pbtxt"
+        target_config = repository / target / TRITON_CONFIG
         if not target_config.is_file():
             hint = " (the bundle has no model.plan yet)" if encoder == "trt" else ""
             raise BundleError(f"{repository}: has no model {target}{hint}; ensemble {name} keeps "
@@ -124,5 +112,5 @@ def curl_example(http_url: str, model: str, output: str = "sentence_embedding") 
 
 
 def first_output(repo: Path, name: str) -> str:
-    outputs = [t.name for t in _parse_config(repo / name / "config.pbtxt").output]
+    outputs = [t.name for t in _parse_config(repo / name / TRITON_CONFIG).output]
     return outputs[0] if outputs else "sentence_embedding"

@@ -130,6 +130,9 @@ def remove_shm(prefix: str) -> None:
 def check_port(host: str, port: int, option: str) -> None:
     """ServeError naming ``option`` when ``port`` on ``host`` is taken (nothing is left bound)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as Triton binds: a port a stopped server left in TIME_WAIT is free (without SO_REUSEADDR,
+        # it reads as taken for a minute after each serve that answered a request)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:

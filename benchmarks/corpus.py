@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""The corpus job (``mbert-run embed --output DIR/``): peak memory against corpus size, throughput
+against in-process ``Encoder.encode``, Ray Data with 2 actors x 1 thread, and the cost of a resume.
+
+Every measurement runs in its own subprocess (peak RSS is the child's ``ru_maxrss``) on one corpus of
+short texts (6-30 tokens, cut from the built-in calibration texts):
+
+  rss      the single-process job on the small and the large corpus (the job's memory is one window:
+           the two peaks should be within 10 %)
+  encode   Encoder.encode(all texts) in one call, texts in memory: the throughput reference
+  job      the single-process job on the speed corpus
+  ray      the same job on a local Ray cluster (its own network namespace; 2 actors x 1 thread);
+           the time is the command's, actor start-up included, cluster start-up excluded
+  resume   the job killed (SIGKILL) after half its shards, then rerun: the rerun's time beyond the half
+           it had left
+
+    python benchmarks/corpus.py           # full-size bundle (ModernBERT-base shape, random weights)
+    python benchmarks/corpus.py --quick   # tiny bundle, seconds -> results/corpus_quick.md
+
+The full-size bundle is the one benchmarks/runtime_cpu.py builds (cached in benchmarks/.cache/).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "tests")]
+# (small, large, speed) corpus sizes; window = rows per shard
+FULL = dict(small=10_000, large=200_000, speed=4_000, window=1024, max_len=512)
+QUICK = dict(small=500, large=5_000, speed=500, window=100, max_len=128)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def tiny_bundle(root: Path) -> Path:
+    from helpers import Bundles
+
+    return Bundles(root).bundle("mean")
+
+
+def write_corpus(path: Path, n: int, seed: int = 0) -> None:
+    """``n`` short texts: word runs of 4-28 words from the calibration texts."""
+    from mbert.bundle.texts import calibration_texts
+
+    words = " ".join(calibration_texts()).split()
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            k = rng.randint(4, 28)
+            start = rng.randrange(0, len(words) - k)
+            f.write(f"{i} " + " ".join(words[start:start + k]) + "\n")
+
+
+# --- children ----------------------------------------------------------------------------------
+
+def child(mode: str, bundle: str, corpus: str, out: str, window: int, stop_after: int) -> None:
+    from mbert.runtime import Encoder
+
+    enc = Encoder.from_bundle(bundle, backend="onnxruntime", device="cpu")
+    info: dict = {}
+    t0 = time.perf_counter()
+    if mode == "encode":
+        texts = Path(corpus).read_text(encoding="utf-8").splitlines()
+        enc.encode(texts[:64])  # warm-up, as the job's first window is its own
+        t0 = time.perf_counter()
+        enc.encode(texts)
+        info.update(tokens=enc.last_stats.tokens, rows=len(texts))
+    else:
+        from mbert.runtime.corpus import embed_corpus, shards
+
+        if stop_after:  # kill -9 right after the record counts this many shards
+            real = shards.write_record
+
+            def write_record(folder, record):
+                real(folder, record)
+                if record.shards == stop_after:
+                    os.kill(os.getpid(), 9)
+
+            shards.write_record = write_record
+        s = embed_corpus(enc, corpus, out, window=window)
+        info.update(tokens=s.tokens, rows=s.added_rows, resumed_at=s.resumed_at)
+    info["seconds"] = time.perf_counter() - t0
+    info["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(info))
+
+
+def measure(mode: str, bundle: Path, corpus: Path, out: Path, window: int, stop_after: int = 0) -> dict:
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, __file__, "--child", mode, str(bundle), str(corpus), str(out), str(window),
+                           str(stop_after)], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if stop_after:
+        return {"wall_s": wall, "returncode": done.returncode}
+    if done.returncode != 0:
+        raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]), wall_s=wall)
+
+
+def measure_ray(bundle: Path, corpus: Path, work: Path, window: int) -> dict:
+    from ray_helpers import ADDRESS, ray_session
+
+    cmd = [sys.executable, "-c", "import sys, time, json; from mbert.runtime.cli import main; t = time.perf_counter()\n"
+           "try:\n    main()\nfinally:\n    print(json.dumps({'seconds': time.perf_counter() - t}))",
+           "embed", str(bundle), "--input", str(corpus), "--output", f"{work / 'ray-out'}/", "--ray", ADDRESS,
+           "--actors", "2", "--threads-per-actor", "1", "--window", str(window), "--backend", "onnxruntime"]
+    results = ray_session(work, [("ray", cmd)], timeout=3000)
+    rc, out, err = results["ray"]
+    if rc != 0:
+        return {"error": (err or results["session"])[-2000:]}
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+def run(args, work: Path) -> dict:
+    spec = dict(QUICK if args.quick else FULL)
+    for k in ("small", "large", "speed"):
+        if getattr(args, k):
+            spec[k] = getattr(args, k)
+    if args.quick:
+        bundle = tiny_bundle(work / "bundles")
+        model = "tiny (3 layers, hidden 128, max 128 tokens)"
+    else:
+        from runtime_cpu import prepare
+
+        _, bundle = prepare(spec["max_len"])
+        model = f"full size (gte-modernbert-base shape: 22 layers, hidden 768; max {spec['max_len']} tokens)"
+    result = {"model": model, "spec": spec, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+              "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    window = spec["window"]
+    rss = {}
+    for name in ("small", "large"):
+        corpus = work / f"{name}.txt"
+        write_corpus(corpus, spec[name])
+        log(f"rss: the job on {spec[name]} texts")
+        rss[name] = measure("job", bundle, corpus, work / f"out-{name}", window)
+    result["rss"] = rss
+    speed = work / "speed.txt"
+    write_corpus(speed, spec["speed"], seed=1)
+    log(f"speed: Encoder.encode and the job on {spec['speed']} texts")
+    result["encode"] = measure("encode", bundle, speed, work / "unused", window)
+    result["job"] = measure("job", bundle, speed, work / "out-speed", window)
+    shards_total = -(-spec["speed"] // window)
+    half = max(1, shards_total // 2)
+    log(f"resume: killed after {half} of {shards_total} shards, then rerun")
+    killed = measure("job", bundle, speed, work / "out-resume", window, stop_after=half)
+    resumed = measure("job", bundle, speed, work / "out-resume", window)
+    left = (spec["speed"] - resumed["resumed_at"]) / spec["speed"]
+    result["resume"] = dict(killed=killed, resumed=resumed, share_left=left,
+                            overhead_s=resumed["wall_s"] - left * result["job"]["wall_s"])
+    if args.ray:
+        log("ray: 2 actors x 1 thread on a local cluster")
+        result["ray"] = measure_ray(bundle, speed, work, window)
+    return result
+
+
+def table(r: dict) -> str:
+    rss, enc, job = r["rss"], r["encode"], r["job"]
+    tps = lambda m: m["tokens"] / m["seconds"]  # noqa: E731
+    flat = rss["large"]["peak_rss_mb"] / rss["small"]["peak_rss_mb"] - 1
+    rows = [f"# Corpus job: memory, throughput, resume\n",
+            f"{r['date']}, {r['machine']}; bundle: {r['model']}; window {r['spec']['window']} texts; ONNX Runtime "
+            f"CPU FP32; short texts (4-28 words).\n",
+            "| measure | value | against |", "|---|---|---|",
+            f"| peak RSS, job on {rss['small']['rows']:,} texts | {rss['small']['peak_rss_mb']:.0f} MB | |",
+            f"| peak RSS, job on {rss['large']['rows']:,} texts | {rss['large']['peak_rss_mb']:.0f} MB | "
+            f"{100 * flat:+.1f} % (target: within 10 %) |",
+            f"| tokens/s, Encoder.encode in process ({enc['rows']:,} texts) | {tps(enc):,.0f} | 1.00x |",
+            f"| tokens/s, single-process job | {tps(job):,.0f} | {tps(job) / tps(enc):.2f}x |"]
+    ray = r.get("ray")
+    if ray and "seconds" in ray:
+        rt = job["tokens"] / ray["seconds"]
+        rows.append(f"| tokens/s, Ray 2 actors x 1 thread (command wall time, actor start-up included) | "
+                    f"{rt:,.0f} | {rt / tps(enc):.2f}x |")
+    elif ray:
+        rows.append(f"| tokens/s, Ray 2 actors x 1 thread | failed: {' '.join(ray['error'].split())[-300:]} | |")
+    else:
+        rows.append("| tokens/s, Ray 2 actors x 1 thread | not run (--ray not given) | |")
+    res = r["resume"]
+    rows.append(f"| resume overhead (rerun after kill -9 at half) | {res['overhead_s']:.2f} s | rerun "
+                f"{res['resumed']['wall_s']:.2f} s for {100 * res['share_left']:.0f} % of an uninterrupted "
+                f"{job['wall_s']:.2f} s (process wall times) |")
+    return "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        mode, bundle, corpus, out, window, stop = sys.argv[2:8]
+        child(mode, bundle, corpus, out, int(window), int(stop))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny bundle and corpora: seconds")
+    ap.add_argument("--ray", action="store_true", help="also run the Ray job (a local cluster in a network namespace)")
+    ap.add_argument("--small", type=int, help="texts in the small corpus")
+    ap.add_argument("--large", type=int, help="texts in the large corpus")
+    ap.add_argument("--speed", type=int, help="texts in the throughput corpus")
+    ap.add_argument("--out", type=Path, help="the table (default results/corpus[_quick].md; JSON beside it)")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="corpus-bench-"))
+    try:
+        result = run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out = args.out or REPO / "benchmarks" / "results" / ("corpus_quick.md" if args.quick else "corpus.md")
+    out.write_text(table(result), encoding="utf-8")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
