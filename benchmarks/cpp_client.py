@@ -14,7 +14,7 @@ vectors are checked against the in-process ones (min cosine).
 
     python benchmarks/cpp_client.py            # full-size random gte-modernbert-base, 120 texts up to
                                                # 512 tokens -> results/cpp_client.{md,json}
-    python benchmarks/cpp_client.py --quick    # a 3-layer hidden-128 model, 48 short texts (smoke test)
+    python benchmarks/cpp_client.py --quick    # the tests' 2-layer TINY model, 48 short texts (smoke test)
                                                # -> results/cpp_client_quick.{md,json}
     ... --url http://127.0.0.1:PORT --model NAME --bundle B --cpp-build DIR   # an already served
                                                # bundle and an already built client (the test's)
@@ -192,7 +192,7 @@ def main() -> None:
         from triton_serve import quick_bundle
 
         bundle = quick_bundle(SERVE_CACHE)
-        args.model_label = "random gte-modernbert-base-shaped, 3 layers, hidden 128 (smoke test, not the target size)"
+        args.model_label = "random gte-modernbert-base-shaped, the tests' 2-layer TINY (smoke test, not the target size)"
     else:
         _, bundle = prepare(spec["max_len"])
         args.model_label = "random full-size gte-modernbert-base weights (22 layers, hidden 768, CLS pooling)"

@@ -52,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import transformers
-    from helpers import make_checkpoint
+    from helpers import TINY, make_checkpoint
 
     from mbert.bundle.texts import calibration_texts
     from mbert.bundle.tokenizer import load_tokenizer
@@ -63,9 +63,9 @@ def main() -> None:
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # FP32 reference stays FP32
     torch.backends.cudnn.allow_tf32 = False
-    small = dict(num_hidden_layers=3, hidden_size=128, num_attention_heads=2, intermediate_size=192) if args.small else {}
-    max_len = 512 if args.small else 8192
-    shapes = [(2, 64), (1, 256)] if args.small else [(32, 512), (8, 2048), (1, 8192)]
+    small = TINY if args.small else {}  # --small: the tests' 2-layer model at 128 tokens (FP16 on a CPU is slow)
+    max_len = 128 if args.small else 8192
+    shapes = [(2, 32), (1, 128)] if args.small else [(32, 512), (8, 2048), (1, 8192)]
     lines, record = [], {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                          "torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -128,9 +128,9 @@ def main() -> None:
 
         say("\n## Overflow checkpoint (layer 1 MLP output x30000: residual stream passes 65504)")
         ovf = make_checkpoint(Path(tmp) / "ovf", "gte-modernbert-base", seed=31, layout="cls-pooling",
-                              scale_layer_mlp=(1, 30000.0), num_hidden_layers=4)
+                              scale_layer_mlp=(1, 30000.0), **dict(small, num_hidden_layers=4))
         o32 = load_model(ovf, device=device)
-        op = plan(scan(o32, [(i.to(device), m.to(device)) for i, m in scan_batches(tok, texts, 1024)]))
+        op = plan(scan(o32, [(i.to(device), m.to(device)) for i, m in scan_batches(tok, texts, min(1024, max_len))]))
         omixed = to_mixed_precision(o32, op)
         ohf16 = transformers.AutoModel.from_pretrained(ovf, attn_implementation="sdpa", dtype=torch.float16).to(device).eval()
         ids, mask = (torch.from_numpy(x).to(device) for x in (cases[6].input_ids, cases[6].attention_mask))

@@ -7,8 +7,8 @@ neighbour agreement) of ours and of blind.
 Model: the seeded random full-size gte-modernbert-base checkpoint of ``runtime_cpu.py`` (22 layers,
 hidden 768, CLS pooling), exported once with ``mbert-export --int8`` at ``max_seq_len`` 2048 (the INT8
 stages of the pipeline: sensitivity, plan with its end-to-end checks, blind quantizations; their
-cost is reported); ``--quick``: a 3-layer hidden-128 model at 512 tokens, a smoke test whose ratios
-mean nothing.
+cost is reported); ``--quick``: the tests' 2-layer ``helpers.TINY`` model at 128 tokens (the fixed batch 4 x 128), a smoke
+test of every stage whose ratios mean nothing.
 
 Systems (ONNX Runtime CPU, all threads, one session each, the same batches):
 
@@ -88,19 +88,17 @@ def saturation_probe() -> dict[str, bool]:
 def prepare(quick: bool, max_len: int, cache: Path = CACHE) -> tuple[Path, Path, dict]:
     """Checkpoint and bundle (cached): the --int8 export, or, when the INT8 plan fails, the FP32 bundle
     and the failure (reported)."""
-    from helpers import make_checkpoint
+    from helpers import TINY, make_checkpoint
 
     from mbert.export.options import ExportOptions
     from mbert.export.pipeline import export_bundle
 
-    tag = "quick" if quick else "base"
+    tag = "tiny" if quick else "base"
     ck, bundle = cache / f"checkpoint-{tag}", cache / f"bundle-{tag}-{max_len}-int8"
     status = bundle.parent / f"{bundle.name}.json"
-    small = dict(num_hidden_layers=3, hidden_size=128, num_attention_heads=2, intermediate_size=192,
-                 local_attention=16) if quick else {}
     if not (ck / "special_tokens_map.json").is_file():  # written last by make_checkpoint
         log(f"building the random checkpoint ({tag})")
-        make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0, **small)
+        make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0, **(TINY if quick else {}))
     if not status.is_file():
         log("exporting with --int8")
         t0, error = time.perf_counter(), None
@@ -169,9 +167,9 @@ def timed(path: Path, fixed, corpus, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small model, 512 tokens, short corpus (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 128 tokens, short corpus (smoke test)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--max-len", type=int, default=None, help="bundle max_seq_len (default 2048; --quick 512)")
+    ap.add_argument("--max-len", type=int, default=None, help="bundle max_seq_len (default 2048; --quick 128)")
     ap.add_argument("--out", type=Path, default=None, help="the report (default benchmarks/results/...)")
     ap.add_argument("--cache", type=Path, default=CACHE, help="checkpoint and bundle folder")
     args = ap.parse_args()
@@ -180,15 +178,15 @@ def main() -> None:
     from mbert.bundle import open_bundle
     from mbert.bundle.texts import calibration_texts
 
-    ck, bundle, status = prepare(args.quick, args.max_len or (512 if args.quick else 2048), args.cache)
+    ck, bundle, status = prepare(args.quick, args.max_len or (128 if args.quick else 2048), args.cache)
     manifest = open_bundle(bundle).manifest
     max_len = manifest.max_seq_len
-    spec = runtime_cpu.QUICK if args.quick or max_len <= 512 else dict(runtime_cpu.FULL, max_len=max_len)
+    spec = runtime_cpu.QUICK if args.quick else dict(runtime_cpu.FULL, max_len=max_len)
     corpus_texts = runtime_cpu.build_corpus(bundle / TOKENIZER, spec)
     pad = manifest.model.pad_token_id
     corpus = batches_for(bundle / TOKENIZER, corpus_texts, spec["max_len"], pad)
     long4 = sorted(calibration_texts(), key=len)[-4:]
-    fixed = batches_for(bundle / TOKENIZER, long4, 512, pad)[0]
+    fixed = batches_for(bundle / TOKENIZER, long4, min(512, max_len), pad)[0]
     systems = {"fp32": bundle / "model.onnx"}
     if manifest.graph("int8") is not None:
         systems["int8 (ours)"] = bundle / "model.int8.onnx"
@@ -237,7 +235,7 @@ def report(args, manifest, status, results, corpus, fixed, spec) -> str:
              + ", ".join(f"{k}: {'yes' if v else 'NO (vpmaddubsw saturates)'}" for k, v in saturation_probe().items()),
              "", f"Shapes: fixed batch {fixed[0].shape[0]} x {fixed[0].shape[1]} (median of {args.repeats}); corpus "
              f"{len(corpus)} batches of <= {BATCH}, {tokens} real tokens, max {spec['max_len']}.", "",
-             "| system | 4x512 ms | x FP32 | corpus s | tokens/s | x FP32 |", "|---|---|---|---|---|---|"]
+             f"| system | {fixed[0].shape[0]}x{fixed[0].shape[1]} ms | x FP32 | corpus s | tokens/s | x FP32 |", "|---|---|---|---|---|---|"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['fixed_s'] * 1e3:.0f} | {base['fixed_s'] / r['fixed_s']:.2f}x | {r['corpus_s']:.1f} "
                      f"| {tokens / r['corpus_s']:.0f} | {base['corpus_s'] / r['corpus_s']:.2f}x |")

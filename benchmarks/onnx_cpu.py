@@ -26,6 +26,9 @@ child is reported as such. Checkpoint and ONNX files are cached in benchmarks/.c
 
     python benchmarks/onnx_cpu.py                      # full run: 4x512, 1x2048, 1x8192
     python benchmarks/onnx_cpu.py --quick --out /tmp/x # smoke test: 2x128, 1x512, one timed run
+    python benchmarks/onnx_cpu.py --quick --small --systems ours-ort,ours-trt --out /tmp/x
+                                                       # the tests' smoke form: 2-layer TINY model; hf-onnx
+                                                       # (transformers' own export, slow) is left to full runs
     python benchmarks/ort_profile.py 1x8192            # ORT's profiler on ours-ort (after a run built the cache)
 """
 from __future__ import annotations
@@ -160,17 +163,15 @@ def child(system: str, B: int, T: int, repeats: int, threads: int, seed: int, ca
     }))
 
 
-SMALL = dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=2, intermediate_size=192)
-
 
 def export_child(what: str, cache: Path, small: bool) -> None:
     """Build the checkpoint or one system's ONNX files into the cache (run in a subprocess)."""
     p = paths(cache)
     if what == "checkpoint":
         sys.path.insert(0, str(REPO / "tests"))
-        from helpers import make_checkpoint
+        from helpers import TINY, make_checkpoint
 
-        make_checkpoint(p["ckpt"], "modernbert-base", seed=0, **(SMALL if small else {}))
+        make_checkpoint(p["ckpt"], "modernbert-base", seed=0, **(TINY if small else {}))
         return
     p[what].parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -358,7 +359,7 @@ def report(args, shapes, systems, res: dict, meta: dict) -> list[str]:
     hf = meta.get("hf-onnx", {})
     hf_line = hf.get("error") or f"{hf.get('method', '-')}" + (
         f" (failed first: {'; '.join(f'{k}: {v}' for k, v in hf['errors'].items())})" if hf.get("errors") else "")
-    model = ("SMOKE TEST, 4-layer 128-wide random model (--small): not a result" if args.small
+    model = ("SMOKE TEST, the tests' 2-layer TINY random model (--small): not a result" if args.small
              else "ModernBERT-base (random weights, 22 layers)")
     L = [f"# ONNX on CPU: {model}\n",
          f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
@@ -438,7 +439,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, help="timed runs after the warm-up (default 3 for T <= 2048, 1 above)")
     ap.add_argument("--quick", action="store_true", help=f"smoke test: shapes {QUICK_SHAPES}, repeats 1")
     ap.add_argument("--small", action="store_true",
-                    help="smoke test of the script itself: a 4-layer, 128-wide random model (own cache; no results)")
+                    help="smoke test of the script itself: the tests' 2-layer TINY random model (own cache; no results)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--cache", type=Path, default=REPO / "benchmarks" / ".cache")
     ap.add_argument("--fresh", action="store_true", help="rebuild the cached checkpoint and ONNX files")
@@ -449,7 +450,7 @@ def main() -> None:
     ap.add_argument("--child", nargs=3, metavar=("SYSTEM", "B", "T"), help=argparse.SUPPRESS)
     ap.add_argument("--export", choices=("checkpoint", "ours", "hf-onnx"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.cache = (args.cache / "small" if args.small and not (args.child or args.export) else args.cache).resolve()
+    args.cache = (args.cache / "tiny" if args.small and not (args.child or args.export) else args.cache).resolve()
     if args.child:
         system, B, T = args.child
         return child(system, int(B), int(T), args.repeats, args.threads, args.seed, args.cache)

@@ -22,7 +22,7 @@ Then the runtime's own overhead on 4 x 512-token batches: tokenization, batching
 against the raw backend call on the same ids (target: < 5 % of the call).
 
     python benchmarks/runtime_cpu.py            # 200 texts, ~27k tokens, up to 2048 -> results/runtime_cpu.md
-    python benchmarks/runtime_cpu.py --quick    # a 3-layer hidden-128 model, ~40 texts up to 512 tokens
+    python benchmarks/runtime_cpu.py --quick    # the tests' 2-layer TINY model, 20 texts, 128 tokens
                                                 # (smoke test, seconds) -> results/runtime_cpu_quick.md
     --out FILE: the report elsewhere; --cache DIR: the models' folder (tests use both)
 
@@ -55,9 +55,9 @@ SYSTEMS = ("mbert-runtime", "st-torch", "st-onnx")
 # tokens/s on texts up to 512 tokens; longer documents cost more per token)
 FULL = dict(max_len=2048, buckets=[("query", 115, 6, 30), ("passage", 60, 40, 200), ("document", 20, 256, 768),
                                    ("long document", 5, 1024, 2048)])
-QUICK = dict(max_len=512, buckets=[("query", 16, 6, 30), ("passage", 16, 60, 300), ("document", 8, 300, 512)])
+# --quick: a few texts of each kind, the documents longer than max_len (so truncation runs too)
+QUICK = dict(max_len=128, buckets=[("query", 8, 6, 30), ("passage", 8, 40, 120), ("document", 4, 100, 200)])
 BATCH_SIZE = 32
-TINY = dict(num_hidden_layers=3, hidden_size=128, num_attention_heads=2, intermediate_size=192, local_attention=16)
 
 
 def log(msg: str) -> None:
@@ -66,17 +66,17 @@ def log(msg: str) -> None:
 
 # --- preparation -----------------------------------------------------------------------------------
 
-def prepare(max_len: int, shape: dict | None = None) -> tuple[Path, Path]:
-    """The cached checkpoint (full size, or ``shape``'s sizes) and a bundle exported from it with
-    ``max_seq_len=max_len``."""
-    ck = CACHE / "checkpoint"
+def prepare(max_len: int, tiny: bool = False) -> tuple[Path, Path]:
+    """The cached checkpoint (full size, or with ``tiny`` the tests' 2-layer ``helpers.TINY``) and a bundle
+    exported from it with ``max_seq_len=max_len``."""
+    ck = CACHE / ("checkpoint-tiny" if tiny else "checkpoint")
     if not (ck / "special_tokens_map.json").is_file():  # written last by make_checkpoint
-        log(f"building the random {'small' if shape else 'full-size'} checkpoint (gte-modernbert-base shape, "
+        log(f"building the random {'tiny' if tiny else 'full-size'} checkpoint (gte-modernbert-base shape, "
             "CLS pooling)")
         sys.path.insert(0, str(REPO / "tests"))
-        from helpers import make_checkpoint
+        from helpers import TINY, make_checkpoint
 
-        make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0, **(shape or {}))
+        make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0, **(TINY if tiny else {}))
     bundle = CACHE / f"bundle-{max_len}"
     if not (bundle / MANIFEST).is_file():
         from mbert.export.options import ExportOptions
@@ -240,7 +240,7 @@ def report(args, spec, corpus, lengths, results, onnx_note) -> str:
     lines = [f"# Runtime encoding throughput on CPU{' (--quick)' if args.quick else ''}", "",
              f"Run {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} on {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} CPUs, Python {platform.python_version()}, mbert-export {export.__version__}.",
-             "Model: " + ("random gte-modernbert-base-shaped, 3 layers, hidden 128 (smoke test, not the target size)."
+             "Model: " + ("random gte-modernbert-base-shaped, the tests' 2-layer TINY (smoke test, not the target size)."
                           if args.quick else
                           "random full-size gte-modernbert-base weights (22 layers, hidden 768, CLS pooling, no "
                           "Normalize)."),
@@ -298,13 +298,16 @@ def report(args, spec, corpus, lengths, results, onnx_note) -> str:
 def main() -> None:
     global CACHE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a 3-layer model, ~40 texts up to 512 tokens (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="the tests' 2-layer TINY model, 20 texts, 128 tokens (smoke test)")
     ap.add_argument("--out", type=Path, default=None, help="markdown report (default benchmarks/results/...)")
     ap.add_argument("--cache", type=Path, default=CACHE, help="the models' folder (--quick: its tiny/ folder)")
     ap.add_argument("--onnx-python", default=None, help="Python with sentence-transformers + optimum-onnx")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--bundle", type=Path, help="measure this bundle (with --ck, its checkpoint, for the "
+                    "sentence-transformers systems) instead of the cached one (the smoke test passes a shared one)")
+    ap.add_argument("--ck", type=Path, help="the checkpoint --bundle was exported from")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    for hidden in ("--ck", "--bundle", "--corpus", "--result"):
+    for hidden in ("--corpus", "--result"):
         ap.add_argument(hidden, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--max-len", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -312,9 +315,11 @@ def main() -> None:
     if args.child:
         child(args.child, args.ck, args.bundle, args.corpus, args.max_len, args.result)
         return
+    if (args.bundle is None) != (args.ck is None):
+        ap.error("--bundle and --ck go together")
     spec = QUICK if args.quick else FULL
     CACHE.mkdir(parents=True, exist_ok=True)
-    ck, bundle = prepare(spec["max_len"], TINY if args.quick else None)
+    ck, bundle = (args.ck, args.bundle) if args.bundle else prepare(spec["max_len"], tiny=args.quick)
     corpus = build_corpus(bundle / TOKENIZER, spec)
     from tokenizers import Tokenizer
 

@@ -8,7 +8,7 @@ ready, runtime throughput; each side by side for two installs of this project in
   after    a venv with ``pip install '.[cpu,serve]'`` of this checkout (tracked and untracked files as
            they are): no torch may be installed (checked with ``pip list``)
 
-Each side embeds and serves a tiny bundle (3 layers, hidden 128) that its own exporter wrote
+Each side embeds and serves a tiny bundle (3 layers, hidden 128; --quick: 2, at 128 tokens) that its own exporter wrote
 (``after``: the exporter of this checkout in the running Python, which has the ``export`` extra, so
 the serving venv runs a bundle exported elsewhere); the ``after`` side's vectors from ``embed`` and
 ``serve`` are compared with the running Python's (the full install's) on the same bundle.
@@ -19,12 +19,14 @@ the serving venv runs a bundle exported elsewhere); the ``after`` side's vectors
              from tritonserver's own start (``/proc/PID/stat``) to the banner it prints once ready;
              then one request, and each Python-backend stub's VmRSS (one per model instance)
   runtime    ``Encoder.from_bundle(bundle, backend="onnxruntime").encode(corpus)`` in the venv on
-             runtime_cpu.py's --quick corpus (40 texts up to 512 tokens): median of 3 after a warm-up
+             40 texts up to 512 tokens (``runtime_cpu.build_corpus``): median of 3 after a warm-up
 
     python benchmarks/serving_footprint.py             # builds /tmp/mbert-footprint/{before,after}
                                                        # -> results/serving_footprint.md
     python benchmarks/serving_footprint.py --quick --out /tmp/x   # smoke test: the running Python as
-                                                       # "after" only, no venvs -> serving_footprint_quick.md
+                                                       # "after" only, no venvs, the tests' 2-layer TINY at
+                                                       # 128 tokens, runtime_cpu.py's --quick corpus,
+                                                       # 1 embed run -> serving_footprint_quick.md
 
 Targets: the ``[cpu,serve]`` venv <= 1 GB; embed of one sentence <= 1.0 s wall and <= 200 MB peak RSS
 on the tiny bundle; no regression in runtime throughput. Timings mean little on a shared machine:
@@ -50,13 +52,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 
-from runtime_cpu import QUICK as CORPUS_SPEC  # noqa: E402
+from runtime_cpu import QUICK as QUICK_CORPUS  # noqa: E402
 from runtime_cpu import build_corpus, log  # noqa: E402
 
 from mbert.bundle.names import TOKENIZER  # noqa: E402
 
 SENTENCE = "It's time for tea."
 TINY = dict(num_hidden_layers=3, hidden_size=128, num_attention_heads=2, intermediate_size=192, local_attention=16)
+MAX_LEN = 512  # the bundles' max_seq_len (--quick: QUICK_CORPUS's)
+CORPUS = dict(max_len=MAX_LEN, buckets=[("query", 16, 6, 30), ("passage", 16, 60, 300), ("document", 8, 300, 512)])
 TARGETS = {"venv_mb": 1000, "embed_wall_s": 1.0, "embed_rss_mb": 200}
 THROUGHPUT = """
 import json, sys, time, statistics, warnings
@@ -129,20 +133,22 @@ def packages(python: Path) -> dict[str, str]:
 
 # --- the measurements ----------------------------------------------------------------------------------
 
-def tiny_checkpoint(cache: Path) -> Path:
-    from helpers import make_checkpoint
+def tiny_checkpoint(cache: Path, quick: bool) -> Path:
+    """TINY's checkpoint; with ``quick`` the tests' 2-layer ``helpers.TINY`` (the smoke form's trace is half)."""
+    import helpers
 
-    ck = cache / "checkpoint-tiny"
+    ck = cache / ("checkpoint-quick" if quick else "checkpoint-tiny")
     if not (ck / "special_tokens_map.json").is_file():  # written last by make_checkpoint
-        make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0, **TINY)
+        helpers.make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0,
+                                **(helpers.TINY if quick else TINY))
     return ck
 
 
-def export(exporter: list[str], ck: Path, out: Path) -> Path:
+def export(exporter: list[str], ck: Path, out: Path, max_len: int) -> Path:
     if not (out / "manifest.json").is_file():
         log(f"exporting {out} with {exporter[0]}")
-        subprocess.run([*exporter, str(ck), "--out", str(out), "--max-seq-len", "512", "--overwrite"], check=True,
-                       capture_output=True)
+        subprocess.run([*exporter, str(ck), "--out", str(out), "--max-seq-len", str(max_len), "--overwrite"],
+                       check=True, capture_output=True)
     return out
 
 
@@ -310,8 +316,9 @@ def report(args, sides: dict, full: dict, corpus_tokens: int, texts: int) -> str
              "with other jobs: wall times mean little unless it is near 0; sizes and RSS do not depend on it).", ""]
     for name, side in sides.items():
         lines.append(f"- {name}: {side['what']}")
-    lines += ["", "Bundle: random gte-modernbert-base-shaped, 3 layers, hidden 128, max length 512, exported by each "
-              "side's own exporter.", "", head, rule]
+    shape = "2 layers (the tests' TINY), hidden 128, max length 128" if args.quick else "3 layers, hidden 128, max length 512"
+    lines += ["", f"Bundle: random gte-modernbert-base-shaped, {shape}, exported by each side's own exporter.", "",
+              head, rule]
     if "venv_mb" in next(iter(sides.values())):
         lines.append(row("venv on disk (MB)", get("venv_mb"), lambda v: f"{v:,.0f}"))
         lines.append(row("packages installed", get("packages"), str, ratio=False))
@@ -377,17 +384,25 @@ def main() -> None:
                     help="venvs, the worktree, bundles (outside the repository)")
     ap.add_argument("--before-venv", type=Path, help="an existing 'before' venv (default WORK/before)")
     ap.add_argument("--after-venv", type=Path, help="an existing 'after' venv (default WORK/after)")
-    ap.add_argument("--repeats", type=int, default=5, help="embed runs per side (--quick: 2)")
+    ap.add_argument("--repeats", type=int, default=5, help="embed runs per side (--quick: 1)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="the results folder")
+    ap.add_argument("--bundle", type=Path, help="with --quick: this bundle (exported by this checkout) instead of "
+                    "exporting one (the smoke test passes a shared one)")
     args = ap.parse_args()
+    if args.bundle and not args.quick:
+        ap.error("--bundle is for --quick only: the full run exports each side's bundle with its own exporter")
     args.load = os.getloadavg()[0]
     if args.quick:
-        args.repeats = min(args.repeats, 2)
+        args.repeats = 1
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    ck = tiny_checkpoint(work)
-    after_bundle = export([sys.executable, "-m", "mbert.export.cli"], ck, work / "bundle-after")
-    corpus = build_corpus(after_bundle / TOKENIZER, CORPUS_SPEC)
+    spec = QUICK_CORPUS if args.quick else CORPUS
+    if args.bundle:
+        after_bundle = args.bundle
+    else:
+        ck = tiny_checkpoint(work, args.quick)
+        after_bundle = export([sys.executable, "-m", "mbert.export.cli"], ck, work / "bundle-after", spec["max_len"])
+    corpus = build_corpus(after_bundle / TOKENIZER, spec)
     corpus_file = work / "corpus.json"
     corpus_file.write_text(json.dumps(corpus))
     from tokenizers import Tokenizer
@@ -406,7 +421,7 @@ def main() -> None:
             make_venv(before_venv, ["torch==2.13.0", f"{worktree(args.before_rev, work / 'old-main')}[cpu,serve]"])
         if not (after_venv / "bin" / "python").is_file():
             make_venv(after_venv, [f"{checkout_copy(work / 'new-main')}[cpu,serve]"])
-        before_bundle = export([str(before_venv / "bin" / "mbert-export")], ck, work / "bundle-before")
+        before_bundle = export([str(before_venv / "bin" / "mbert-export")], ck, work / "bundle-before", MAX_LEN)
         sides["before"] = measure("before", before_venv / "bin" / "python", before_bundle, work, corpus_file,
                                   args.repeats, before_venv)
         sides["before"]["what"] = (f"{args.before_rev}: `pip install 'torch==2.13.0' '.[cpu,serve]'` in a fresh venv "

@@ -18,7 +18,7 @@ GB = 1e9 bytes.
 The FP16 child also runs the precision walk and its table goes into the report.
 
     python benchmarks/tensorrt_build.py                        # full size -> results/tensorrt_build.md
-    python benchmarks/tensorrt_build.py --quick --out /tmp/x   # smoke test: a 3-layer model, small profile
+    python benchmarks/tensorrt_build.py --quick --out /tmp/x   # smoke test: the tests' 2-layer TINY model, one 2 x 64 profile
 
 Targets (issue 9): full-size FP16 engine built in <= 60 s, builder peak memory <= 4 GB.
 """
@@ -39,12 +39,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRECISIONS = ("fp16", "fp32")
 TARGET_SECONDS, TARGET_GB = 60.0, 4.0
-QUICK = dict(num_hidden_layers=3, hidden_size=128, num_attention_heads=2, intermediate_size=192, local_attention=16)
 
 
 def paths(cache: Path, quick: bool) -> dict[str, Path]:
     if quick:
-        root = cache / "trt-quick"
+        root = cache / "trt-tiny"
         return {"ckpt": root / "ckpt", "fp32": root / "model.onnx", "fp16": root / "model.fp16.onnx",
                 "plan": root / "plan.json"}
     return {"ckpt": cache / "modernbert-base-random", "fp32": cache / "onnx-ours" / "model.onnx",
@@ -56,9 +55,9 @@ def export_child(what: str, cache: Path, quick: bool, max_seq: int) -> None:
     p = paths(cache, quick)
     sys.path.insert(0, str(REPO / "tests"))
     if what == "checkpoint":
-        from helpers import make_checkpoint
+        from helpers import TINY, make_checkpoint
 
-        make_checkpoint(p["ckpt"], "modernbert-base", seed=0, **(QUICK if quick else {}))
+        make_checkpoint(p["ckpt"], "modernbert-base", seed=0, **(TINY if quick else {}))
         return
     from mbert.export.onnx.trace import to_onnx
     from mbert.modeling import load_model
@@ -70,7 +69,7 @@ def export_child(what: str, cache: Path, quick: bool, max_seq: int) -> None:
     from mbert.bundle.texts import calibration_texts
     from mbert.export.fp16.precision import plan, scan, to_mixed_precision
 
-    the_plan = plan(scan(model, calibration_texts(), max_len=512))
+    the_plan = plan(scan(model, calibration_texts(), max_len=min(512, max_seq)))
     to_onnx(to_mixed_precision(model, the_plan), p["fp16"], max_seq_len=max_seq)
     p["plan"].write_text(json.dumps(the_plan.to_dict(), indent=2))
 
@@ -87,7 +86,7 @@ def build_child(precision: str, cache: Path, quick: bool, max_batch: int, max_se
     import_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     p = paths(cache, quick)
-    out = cache / ("trt-quick" if quick else "trt") / f"engine-{precision}"
+    out = cache / ("trt-tiny" if quick else "trt") / f"engine-{precision}"
     parsed = parse_onnx(p[precision], "tensorrt-rtx")
     parse_s = time.perf_counter() - t0
     rss_parsed_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -170,7 +169,7 @@ def workspace_read(results: list[dict]) -> str:
 
 
 def report(args, results: list[dict]) -> list[str]:
-    size = "3-layer test model (--quick)" if args.quick else "full-size ModernBERT-base (22 layers, random weights)"
+    size = "2-layer TINY test model (--quick)" if args.quick else "full-size ModernBERT-base (22 layers, random weights)"
     lines = [f"# TensorRT-RTX engine builds: {size}", "",
              f"{datetime.date.today()}, {machine()}, no GPU. {versions()}",
              "", f"Profile: batch 1..{args.max_batch}, sequence 1..{args.max_seq}"
@@ -209,7 +208,7 @@ def report(args, results: list[dict]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke test: a 3-layer model, batch 1..4, sequence 1..256")
+    ap.add_argument("--quick", action="store_true", help="smoke test: the tests' 2-layer TINY model, batch 1..2, sequence 1..64")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--cache", type=Path, default=REPO / "benchmarks" / ".cache")
     ap.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of fp16, fp32")
@@ -223,8 +222,8 @@ def main() -> None:
     ap.add_argument("--child", choices=PRECISIONS, help=argparse.SUPPRESS)
     ap.add_argument("--export", choices=("checkpoint", "fp32", "fp16"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.max_batch = args.max_batch or (4 if args.quick else 32)
-    args.max_seq = args.max_seq or (256 if args.quick else 8192)
+    args.max_batch = args.max_batch or (2 if args.quick else 32)
+    args.max_seq = args.max_seq or (64 if args.quick else 8192)
     if args.export:
         return export_child(args.export, args.cache, args.quick, args.max_seq)
     if args.child:

@@ -15,7 +15,7 @@ statistics give the batches the encoder ran (inference count / execution count).
 
     python benchmarks/triton_serve.py            # full-size random gte-modernbert-base, 120 texts
                                                  # up to 512 tokens -> results/triton_serve.md
-    python benchmarks/triton_serve.py --quick    # a 3-layer hidden-128 model, 200 short texts
+    python benchmarks/triton_serve.py --quick    # the tests' 2-layer TINY model, 40 short texts
                                                  # (smoke test) -> results/triton_serve_quick.md
     --out FILE: the report elsewhere; --cache DIR: the quick model's folder (tests use both)
 
@@ -47,34 +47,32 @@ from runtime_cpu import build_corpus, log, prepare  # noqa: E402
 from mbert.bundle.names import TOKENIZER  # noqa: E402
 
 CACHE = REPO / "benchmarks" / ".cache" / "triton_serve"
-SMALL = dict(num_hidden_layers=3, hidden_size=128, num_attention_heads=2, intermediate_size=192,
-             local_attention=16)
 FULL = dict(max_len=512, buckets=[("query", 60, 6, 30), ("passage", 40, 60, 300),
                                   ("document", 20, 300, 512)])
-QUICK = dict(max_len=512, buckets=[("query", 120, 6, 30), ("passage", 60, 60, 300),
-                                   ("document", 20, 300, 512)])
+# --quick: 40 short texts (documents past max_len, so truncation runs), enough for every client
+QUICK = dict(max_len=128, buckets=[("query", 24, 6, 30), ("passage", 12, 40, 120), ("document", 4, 100, 200)])
 TARGET = 0.80
 
 
 def quick_bundle(cache: Path) -> Path:
-    """A small model's bundle (cached in ``cache``; exported again when it does not open, e.g. one
+    """The tiny model's bundle (cached in ``cache``; exported again when it does not open, e.g. one
     written by an older format), for smoke runs."""
-    from helpers import make_checkpoint
+    from helpers import TINY, make_checkpoint
 
     from mbert.bundle import open_bundle
     from mbert.bundle.errors import MbertError
     from mbert.export.pipeline import ExportOptions, export_bundle
 
-    bundle = cache / "bundle-small"
+    bundle = cache / "bundle-tiny"
     try:
         open_bundle(bundle).close()
         return bundle
     except MbertError:
         pass
-    ck = cache / "checkpoint-small"
+    ck = cache / "checkpoint-tiny"
     if not (ck / "special_tokens_map.json").is_file():  # written last by make_checkpoint
-        make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0, **SMALL)
-    log("exporting the small bundle")
+        make_checkpoint(ck, base="gte-modernbert-base", layout="cls-pooling", seed=0, **TINY)
+    log("exporting the tiny bundle")
     export_bundle(ck, ExportOptions(out=bundle, max_seq_len=QUICK["max_len"], overwrite=True))
     return bundle
 
@@ -216,17 +214,21 @@ def report(args, corpus, lengths, ours, srv, vectors) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small model, short run (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 40 texts at 128 tokens (smoke test)")
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
     ap.add_argument("--out", type=Path, default=None, help="the report (default benchmarks/results/...)")
     ap.add_argument("--cache", type=Path, default=CACHE, help="the quick model's folder")
+    ap.add_argument("--bundle", type=Path, help="serve this bundle instead (the smoke test passes a shared one)")
     args = ap.parse_args()
     spec = QUICK if args.quick else FULL
     args.max_len, args.load = spec["max_len"], os.getloadavg()[0]
     args.cache.mkdir(parents=True, exist_ok=True)
-    if args.quick:
+    if args.bundle:
+        bundle = args.bundle
+        args.model = f"the bundle {bundle.name}"
+    elif args.quick:
         bundle = quick_bundle(args.cache)
-        args.model = "random gte-modernbert-base-shaped, 3 layers, hidden 128 (smoke test, not the target size)"
+        args.model = "random gte-modernbert-base-shaped, the tests' 2-layer TINY (smoke test, not the target size)"
     else:
         _, bundle = prepare(spec["max_len"])
         args.model = "random full-size gte-modernbert-base weights (22 layers, hidden 768, CLS pooling)"

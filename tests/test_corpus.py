@@ -285,11 +285,11 @@ def test_corpus_options_need_a_folder(bundle, jsonl, tmp_path):
     assert result.exit_code == 2 and "only for a corpus job" in result.stderr
 
 
-def test_benchmark_quick(tmp_path):
-    """benchmarks/corpus.py --quick runs end to end on a tiny model and writes its table."""
+def test_benchmark_quick(bundle, tmp_path):
+    """benchmarks/corpus.py --quick runs end to end on this module's tiny bundle and writes its table."""
     out = tmp_path / "corpus_quick.md"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "corpus.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=400)
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "corpus.py"), "--quick", "--out", str(out),
+                           "--bundle", str(bundle)], capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()
     for row in ("peak RSS", "tokens/s", "resume overhead"):

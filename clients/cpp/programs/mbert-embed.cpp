@@ -121,42 +121,30 @@ struct InputError {
   std::string message;
 };
 
-// Empty texts are refused here, naming the argument or line (the server would name only the index in
-// its request).
-void check_texts(const std::vector<std::string>& texts, const std::vector<std::size_t>& where, const char* what) {
-  for (std::size_t i = 0; i < texts.size(); ++i)
-    if (texts[i].empty()) throw InputError{std::string(what) + " " + std::to_string(where[i]) + " is empty"};
-}
-
 int run(const Options& o) {
   mbert::TritonEmbedder client(o.url, o.model,
                                std::chrono::milliseconds(static_cast<long long>(o.timeout_s * 1000 + 0.5)));
   auto embed = [&](const std::vector<std::string>& texts, std::size_t first) {
     if (!print(client.embed(texts), o.details, first)) throw InputError{"cannot write to standard output"};
   };
+  // An empty text is embedded as the runtime and the server embed it ([CLS] [SEP]), so every input
+  // line has its output line.
   if (!o.texts.empty()) {
-    std::vector<std::size_t> where;
-    for (std::size_t i = 0; i < o.texts.size(); ++i) where.push_back(i + 1);
-    check_texts(o.texts, where, "TEXT argument");
     embed(o.texts, 0);
     return 0;
   }
   std::vector<std::string> chunk;
-  std::vector<std::size_t> where;
   std::size_t line_no = 0, done = 0;
   std::string line;
   auto flush = [&]() {
-    check_texts(chunk, where, "standard input line");
     embed(chunk, done);
     done += chunk.size();
     chunk.clear();
-    where.clear();
   };
   while (std::getline(std::cin, line)) {
     ++line_no;
     if (!line.empty() && line.back() == '\r') line.pop_back();
     chunk.push_back(line);
-    where.push_back(line_no);
     if (chunk.size() == kChunk) flush();
   }
   if (std::cin.bad()) throw InputError{"cannot read standard input"};

@@ -85,7 +85,8 @@ class TritonEmbedder {
   void check_ready();
   // The model's max_batch_size (from its config; fetched once, after check_ready()).
   std::size_t max_batch();
-  // Embeds texts (UTF-8, each non-empty: the server refuses empty ones). An empty list makes no request.
+  // Embeds texts (UTF-8; an empty text is embedded as [CLS] [SEP], as the runtime does). An empty list
+  // makes no request.
   Embeddings embed(const std::vector<std::string>& texts);
 
  private:
