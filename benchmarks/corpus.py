@@ -213,7 +213,7 @@ def run(args, work: Path) -> dict:
 def table(r: dict) -> str:
     rss, job, spec = r["rss"], r["job"], r["spec"]
     flat = rss["large"]["peak_rss_mb"] / rss["small"]["peak_rss_mb"] - 1
-    rows = [f"# Corpus job: memory, throughput, resume\n",
+    rows = ["# Corpus job: memory, throughput, resume\n",
             f"{r['date']}, {r['machine']}; bundle: {r['model']}; window {r['spec']['window']} texts; ONNX Runtime "
             f"CPU FP32; short texts (4-28 words).\n",
             f"Peak RSS on bundle: {spec.get('rss_model', r['model'])}, window {spec.get('rss_window', spec['window'])}. "

@@ -8,7 +8,7 @@ pipeline's own stage reports, in a fresh subprocess per system:
 
   after    this checkout
   before   the same pipeline from another revision (``--before REV``, default: the commit before
-           issue 11's attention/scan work), extracted with ``git archive`` into the cache
+           the fused attention and the background traces), extracted with ``git archive`` into the cache
 
 ``--device`` applies to ``after`` (the scan and the reference outputs); ``before`` ran them on the CPU.
 
@@ -17,7 +17,7 @@ pipeline's own stage reports, in a fresh subprocess per system:
                                                           # (the test runs --systems after: "before" is slow)
     python benchmarks/export_time.py --systems after --device cuda
 
-Targets (issue 11): end to end <= 240 s on an idle 2-core build machine, scan <= 60 s. CPU time
+Targets: end to end <= 240 s on an idle 2-core build machine, scan <= 60 s. CPU time
 is shown because wall time on a shared machine means little; the targets are judged on wall time.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BEFORE_REV = "b06b5a7"  # the last commit before issue 11's attention and export-speed work
+BEFORE_REV = "b06b5a7"  # the sequential pipeline with standard-ops attention: the baseline measured against
 QUICK_MAX_LEN = 128  # --quick: the bundle's max_seq_len (the full run: the model's 8192 positions)
 SYSTEMS = ("before", "after")
 TARGET_TOTAL_S, TARGET_SCAN_S = 240.0, 60.0
@@ -81,7 +81,7 @@ def child_pipeline(ckpt: Path, out: Path, device: str, max_seq_len: int | None) 
     if "device" in fields:  # this checkout: --engine none, --device
         options = ExportOptions(out=out, fp16=True, engine="none", overwrite=True, device=device,
                                 max_seq_len=max_seq_len)
-    else:  # the revision before issue 11: --no-engine was engine=False, the eager passes ran on the CPU
+    else:  # the baseline revision: --no-engine was engine=False, the eager passes ran on the CPU
         options = ExportOptions(out=out, fp16=True, engine=False, overwrite=True, max_seq_len=max_seq_len)
     clock = Clock()
     export_bundle(ckpt, options, clock.report)

@@ -113,7 +113,7 @@ def main() -> None:
         record["parity"] = parity
 
         say("\n## Speed (median ms over repeats, full-length random batches)")
-        say("| shape | ours mixed FP16 eager | transformers sdpa FP16 | ratio (sdpa / ours) | target >= 0.9x (issue 11) |")
+        say("| shape | ours mixed FP16 eager | transformers sdpa FP16 | ratio (sdpa / ours) | target >= 0.9x |")
         say("|---|---|---|---|---|")
         speed = []
         with torch.no_grad():

@@ -23,7 +23,7 @@ sentence-transformers' own ``export_dynamic_quantized_onnx_model`` is not run: i
 sentence-transformers 6), so it cannot be installed beside the project; "blind st-vnni" applies its
 quantization settings to our FP32 graph instead.
 
-Targets (issue 12): INT8 >= 2x the FP32 graph's throughput at 4 x 512 and on the corpus; worst pooled
+Targets: INT8 >= 2x the FP32 graph's throughput at 4 x 512 and on the corpus; worst pooled
 cosine >= 0.995; top-10 agreement >= 0.95.
 
     python benchmarks/int8_cpu.py            # full size -> results/int8_cpu.md (run once, on a quiet machine)

@@ -6,7 +6,7 @@ these systems side by side (one trace of ``load_model(folder)`` with ``max_seq_l
 
   ours-ort     target "onnxruntime": fused MultiHeadAttention in global layers (the ORT artifact)
   ours-trt     target "tensorrt": standard ONNX ops, all heads at once (the TensorRT artifact) on ORT
-  ours-before  the graph before issue 11: standard ops, global layers one head at a time (rebuilt
+  ours-before  the baseline graph (revision b06b5a7): standard ops, global layers one head at a time (rebuilt
                here with a benchmark-only lowering of the same attention op, for "no slower than today")
   hf-onnx      transformers' AutoModel (eager attention) through torch.onnx.export, as a user would:
                dynamo=True with dynamic batch/sequence first, dynamo=False + dynamic_axes if that fails;
@@ -16,8 +16,8 @@ these systems side by side (one trace of ``load_model(folder)`` with ``max_seq_l
   hf-sdpa      transformers in PyTorch, attn_implementation="sdpa" (hf-eager: "eager", run only when asked for)
 
 Sessions: ours-ort and ours-trt run with the project's session options (what the runtime and the
-export's validation open), ours-before and hf-onnx with ONNX Runtime's defaults (what was run before
-issue 11, and what a user of transformers' export runs), hf-onnx-same with the project's.
+export's validation open), ours-before and hf-onnx with ONNX Runtime's defaults (what the baseline
+revision ran, and what a user of transformers' export runs), hf-onnx-same with the project's.
 
 Every (system, shape) runs in a fresh subprocess that loads only what that system needs, so peak
 RSS (ru_maxrss) is per system and shape; the increase over the RSS after loading is reported too.
@@ -55,19 +55,19 @@ OURS = ("ours-ort", "ours-trt", "ours-before")  # the graphs one export writes (
 ORT_SYSTEMS = OURS + ("hf-onnx", "hf-onnx-same")
 PROJECT_OPTIONS = ("ours-ort", "ours-trt", "hf-onnx-same")  # run with mbert.runtime.backends.session_options
 LABELS = {"ours-ort": "mbert ONNX, ORT form (fused attention)", "ours-trt": "mbert ONNX, TensorRT form (on ORT)",
-          "ours-before": "mbert ONNX before issue 11 (per head)", "hf-onnx": "transformers ONNX (ORT, default options)",
+          "ours-before": "mbert ONNX baseline (per head)", "hf-onnx": "transformers ONNX (ORT, default options)",
           "hf-onnx-same": "transformers ONNX (ORT, our options)",
           "hf-eager": "transformers eager (torch)", "hf-sdpa": "transformers sdpa (torch)"}
 FULL_SHAPES, QUICK_SHAPES = "4x512,1x2048,1x8192", "2x128,1x512"
 # (shape, description, kind, other system, bound): speed = other latency / ours latency >= bound,
 # rss = ours peak RSS / other peak RSS <= bound.
-TARGETS = [  # issue 11
+TARGETS = [  # the attention and export-speed targets
     ("1x8192", "ours vs transformers-ONNX speed", "speed", "hf-onnx", 3.0),
     ("1x8192", "ours / transformers-ONNX peak RSS", "rss", "hf-onnx", 0.125),
     ("1x8192", "ours vs transformers-ONNX speed, same session options", "speed", "hf-onnx-same", 3.0),
     ("1x8192", "ours / transformers-ONNX peak RSS, same session options", "rss", "hf-onnx-same", 0.125),
-    ("4x512", "ours vs ours before issue 11 (no slower)", "speed", "ours-before", 1.0),
-    ("1x2048", "ours vs ours before issue 11 (no slower)", "speed", "ours-before", 1.0),
+    ("4x512", "ours vs the per-head baseline (no slower)", "speed", "ours-before", 1.0),
+    ("1x2048", "ours vs the per-head baseline (no slower)", "speed", "ours-before", 1.0),
 ]
 # Live [B, H, T, T] fp32 score-sized tensors at peak: transformers' ONNX measured 17 GB at 1 x 8192
 # (~5 copies + weights), eager ~4 copies; the TensorRT form on ORT keeps ~3 (MatMul, Add, Softmax).
@@ -191,7 +191,7 @@ def export_child(what: str, cache: Path, small: bool) -> None:
 
 
 def per_head_attention(q, k, v, bias):
-    """The attention of the graph before issue 11: global layers one head at a time (standard ops)."""
+    """The attention of the baseline graph (revision b06b5a7): global layers one head at a time (standard ops)."""
     from onnxscript import opset18 as op
 
     from mbert.export.onnx.lowering import standard_attention

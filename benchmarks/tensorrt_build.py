@@ -20,7 +20,7 @@ The FP16 child also runs the precision walk and its table goes into the report.
     python benchmarks/tensorrt_build.py                        # full size -> results/tensorrt_build.md
     python benchmarks/tensorrt_build.py --quick --out /tmp/x   # smoke test: the tests' 2-layer TINY model, one 2 x 64 profile
 
-Targets (issue 9): full-size FP16 engine built in <= 60 s, builder peak memory <= 4 GB.
+Targets: full-size FP16 engine built in <= 60 s, builder peak memory <= 4 GB.
 """
 from __future__ import annotations
 

@@ -284,6 +284,20 @@ def export_cli(*args, cwd=None, timeout=600):
                           timeout=timeout, cwd=cwd)
 
 
+def tiny_checkpoint(tmp_path_factory, name: str, seed: int) -> Path:
+    """A TINY gte-modernbert-base-shaped checkpoint with CLS pooling (the export tests' input)."""
+    return make_checkpoint(tmp_path_factory.mktemp(name) / "ck", "gte-modernbert-base", seed=seed,
+                           layout="cls-pooling", **TINY)
+
+
+def tiny_bundle(ck: Path, tmp_path_factory, name: str, *args) -> Path:
+    """``ck`` exported at 64 tokens (plus ``args``) by the command line; the export must succeed."""
+    out = tmp_path_factory.mktemp(name) / "b"
+    proc = export_cli(ck, "--out", out, "--max-seq-len", "64", *args)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
 def error_line(proc) -> str:
     """The one ``error:`` line a failed command printed (and no traceback)."""
     lines = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "internal error:"))]

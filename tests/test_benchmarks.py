@@ -85,7 +85,7 @@ def test_onnx_cpu_and_ort_profile(tmp_path):
 
 
 def test_export_time(tmp_path):
-    # "before" (the revision before issue 11, git-archived, its sequential pipeline: most of this form's
+    # "before" (the baseline revision b06b5a7, git-archived, its sequential pipeline: most of this form's
     # time) is left to the full run
     bench("export_time.py", "--quick", "--systems", "after", "--out", tmp_path, "--cache", tmp_path / "cache",
           cwd=tmp_path)

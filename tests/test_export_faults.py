@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY, error_line, make_checkpoint, snapshot, write_json
+from helpers import TINY, error_line, make_checkpoint, snapshot, tiny_bundle, tiny_checkpoint, write_json
 from helpers import export_cli as cli
 
 from mbert.bundle import open_bundle
@@ -18,16 +18,12 @@ from mbert.bundle import open_bundle
 
 @pytest.fixture(scope="module")
 def ck(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("faults") / "ck", "gte-modernbert-base", seed=40,
-                           layout="cls-pooling", **TINY)
+    return tiny_checkpoint(tmp_path_factory, "faults", seed=40)
 
 
 @pytest.fixture(scope="module")
 def exported(ck, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("exported") / "b"
-    proc = cli(ck, "--out", out, "--max-seq-len", "64")
-    assert proc.returncode == 0, proc.stderr
-    return out
+    return tiny_bundle(ck, tmp_path_factory, "exported")
 
 
 # --overwrite replaces only a sealed bundle ------------------------------------------------------------

@@ -21,11 +21,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import SMALL, make_checkpoint
+from helpers import tiny_checkpoint
 
 pytest.importorskip("tensorrt_rtx")
 
-TINY = dict(SMALL, num_hidden_layers=2, local_attention=16)
 MAX_SEQ = 64
 PROFILES = ("--split-seq", "16,32,48")  # four profiles: a build of seconds, not 0.6 s
 PROGRESS = "TensorRT build: "
@@ -62,8 +61,7 @@ def interrupted_inside_the_build(args: list, signum: int) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def ck(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("interrupts") / "ck", "gte-modernbert-base", seed=45,
-                           layout="cls-pooling", **TINY)
+    return tiny_checkpoint(tmp_path_factory, "interrupts", seed=45)
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import SMALL, make_checkpoint
+from helpers import tiny_bundle, tiny_checkpoint
 
-TINY = dict(SMALL, num_hidden_layers=2, local_attention=16)
 TIMEOUT = 120  # seconds; far above the few each command takes, so only a hang reaches it
 
 
@@ -47,16 +46,12 @@ def error_line(proc, code: int = 1) -> str:
 
 @pytest.fixture(scope="module")
 def ck(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("probe") / "ck", "gte-modernbert-base", seed=44,
-                           layout="cls-pooling", **TINY)
+    return tiny_checkpoint(tmp_path_factory, "probe", seed=44)
 
 
 @pytest.fixture(scope="module")
 def bundle(ck, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("probe-bundle") / "b"
-    proc = export(ck, "--out", out, "--max-seq-len", "64")
-    assert proc.returncode == 0, proc.stderr
-    return out
+    return tiny_bundle(ck, tmp_path_factory, "probe-bundle")
 
 
 def replace_with_fifo(path: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import RUNTIME_TEXTS, TINY, error_line, make_checkpoint, snapshot, write_json
+from helpers import RUNTIME_TEXTS, error_line, snapshot, tiny_bundle, tiny_checkpoint, write_json
 from helpers import export_cli as cli
 
 from mbert.bundle import open_bundle, owner
@@ -38,16 +38,12 @@ def dead_pid() -> int:
 
 @pytest.fixture(scope="module")
 def ck(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("publish") / "ck", "gte-modernbert-base", seed=43,
-                           layout="cls-pooling", **TINY)
+    return tiny_checkpoint(tmp_path_factory, "publish", seed=43)
 
 
 @pytest.fixture(scope="module")
 def exported(ck, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("exported") / "b"
-    proc = cli(ck, "--out", out, "--max-seq-len", "64")
-    assert proc.returncode == 0, proc.stderr
-    return out
+    return tiny_bundle(ck, tmp_path_factory, "exported")
 
 
 # 1. clean-up removed or moved any folder named like its own -----------------------------------------

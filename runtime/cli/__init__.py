@@ -107,7 +107,7 @@ def embed(bundle, texts, input_file, output_file, backend, device, precision, so
     if output_file is not None and corpus_command.is_folder(output_file):
         return corpus_command.run(bundle, texts, input_file, Path(output_file),
                                   lambda: _open(bundle, backend, device, precision, source, **batching),
-                                  dict(backend=backend, device=device, precision=precision),
+                                  dict(backend=backend, device=device, precision=precision, max_batch_tokens=max_batch_tokens),
                                   dict(prompt=prompt, prompt_name=prompt_name, normalize=normalize,
                                        batch_size=batch_size), progress=progress, **corpus)
     corpus_command.check_options(output_file, **corpus)

@@ -130,7 +130,7 @@ def embed_dataset(ds, bundle, *, text_column: str = "text", id_column: str = "id
                   threads_per_actor: int = 1, batch_rows: int = 4096, backend: str = "auto",
                   device: str | None = None, precision: str | None = None, num_gpus_per_actor: float = 0,
                   prompt: str | None = None, prompt_name: str | None = None, normalize: bool | None = None,
-                  batch_size: int | None = None, max_restarts: int = MAX_RESTARTS,
+                  batch_size: int | None = None, max_batch_tokens: int | None = None, max_restarts: int = MAX_RESTARTS,
                   max_task_retries: int = MAX_TASK_RETRIES, actor_class: type = EncodeActor):
     """``ds`` (a ``ray.data.Dataset`` with a string ``text_column`` and an integer or string
     ``id_column``) embedded by a pool of ``actors`` encoder actors, each reserving
@@ -139,7 +139,8 @@ def embed_dataset(ds, bundle, *, text_column: str = "text", id_column: str = "id
     ``batch_rows`` rows go to an actor per call (Encoder.encode batches them by token budget)."""
     ray = require_ray()
     bundle = str(Path(bundle).resolve())
-    encode = {"prompt": prompt, "prompt_name": prompt_name, "normalize": normalize, "batch_size": batch_size}
+    encode = {"prompt": prompt, "prompt_name": prompt_name, "normalize": normalize, "batch_size": batch_size,
+              "max_batch_tokens": max_batch_tokens}
     with warnings.catch_warnings():
         # Ray 2.60 names no parameter for an actor pool's restarts and retries (its default is unlimited,
         # so a batch that kills its process every time would loop forever): they go as remote args,
@@ -171,7 +172,8 @@ def _shard_names():
 
 def run_ray(address: str, bundle, input_path, folder, *, actors: int, threads_per_actor: int, window: int,
             text_column: str, id_column: str | None, backend: str, device, precision, prompt, prompt_name,
-            normalize, batch_size, overwrite: bool, progress: bool, num_gpus_per_actor: float = 0):
+            normalize, batch_size, overwrite: bool, progress: bool, num_gpus_per_actor: float = 0,
+            max_batch_tokens: int | None = None):
     """``mbert-run embed --ray``: the corpus job on the Ray cluster at ``address``, written to ``folder``
     (a path every node can write) with the single-process job's shard schema and progress record."""
     from mbert.bundle import open_bundle
@@ -203,7 +205,8 @@ def run_ray(address: str, bundle, input_path, folder, *, actors: int, threads_pe
                                 bundle, text_column="text", id_column="id", actors=actors,
                                 threads_per_actor=threads_per_actor, batch_rows=window, backend=backend,
                                 device=device, precision=precision, num_gpus_per_actor=num_gpus_per_actor,
-                                prompt=prompt, prompt_name=prompt_name, normalize=normalize, batch_size=batch_size)
+                                prompt=prompt, prompt_name=prompt_name, normalize=normalize, batch_size=batch_size,
+                                max_batch_tokens=max_batch_tokens)
         vectors.write_parquet(str(folder), filename_provider=_shard_names(), min_rows_per_file=window,
                              ray_remote_args={"num_cpus": 0}, concurrency=actors)
     finally:
