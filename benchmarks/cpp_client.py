@@ -122,9 +122,9 @@ def report(args, corpus: list[str], rows: list[dict]) -> str:
              f"Run {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} on {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} CPUs, Python {platform.python_version()}, mbert-export {export.__version__}, "
              "tritonserver 2.51.0 (nvidia-pytriton 0.7.0, `mbert-run serve`), Python backend only. Load average "
-             f"at the start: {args.load:.1f}. The build machine's 2 cores are shared with other jobs (other "
-             "agents' tests and builds): the server, the clients and those jobs compete for them, so the "
-             "absolute numbers are low and noisy; the ratios within one run are what the table is for.",
+             f"at the start: {args.load:.1f}. The server, the clients and any other job on the "
+             "machine share its cores (numbers mean little unless the load is near 0); the ratios within one "
+             "run are what the table is for.",
              f"Model: {args.model_label}.",
              f"Corpus: {len(corpus)} texts cut from the built-in calibration set, {rows[-1]['tokens']} tokens after "
              f"truncation to the bundle's {rows[-1]['max_length']}, the corpus once per system.",
