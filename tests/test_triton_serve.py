@@ -7,6 +7,7 @@ One server for the module (free loopback ports, bounded start, stopped even when
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -353,9 +355,16 @@ SERVE = [sys.executable, "-c", "from mbert.runtime.cli.serve import serve; serve
 GLOG_LINE = re.compile(r"^[IWEF]\d{4} ")  # Triton's own log lines (glog: I1201 19:55:01.709 ...)
 
 
-def _start_serve(args: list, env: dict | None = None) -> tuple[subprocess.Popen, list[str]]:
-    """``mbert-run serve ARGS`` started, and its standard error up to its "Ctrl-C stops it." line."""
-    process = subprocess.Popen([*SERVE, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+# A network namespace of the serve's own (root, as in CI): Triton's default ports are free there
+# whatever listens on this machine's loopback; "exec" keeps the serve's pid, so signals reach it.
+OWN_NETWORK = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+
+
+def _start_serve(args: list, env: dict | None = None, own_network: bool = False) -> tuple[subprocess.Popen, list[str]]:
+    """``mbert-run serve ARGS`` started (in a network namespace of its own when ``own_network``), and its
+    standard error up to its "Ctrl-C stops it." line."""
+    prefix = OWN_NETWORK if own_network else []
+    process = subprocess.Popen([*prefix, *SERVE, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, start_new_session=True, env=env)
     lines: list[str] = []
     deadline = time.monotonic() + 300
@@ -374,11 +383,25 @@ def _stop(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
 
+def _in_network_of(process: subprocess.Popen, expression: str, texts: list[str]) -> np.ndarray:
+    """``expression`` (an array; ``TEXTS`` is ``texts``) evaluated by a Python in ``process``'s network
+    namespace."""
+    code = ("import json, sys, numpy as np\nfrom mbert.runtime import TritonEncoder\n"
+            f"TEXTS = json.loads(sys.argv[2])\nnp.save(sys.argv[1], {expression})\n")
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "got.npy"
+        done = subprocess.run(["nsenter", f"--net=/proc/{process.pid}/ns/net", sys.executable, "-c", code, str(out),
+                               json.dumps(texts)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return np.load(out)
+
+
 def test_serve_command_starts_answers_and_stops_on_signal(served):
-    """With its defaults, as the README shows it: Triton's ports 8000/8001/8002, ``TritonEncoder("localhost:8000")``
+    """With its defaults, as the README shows it (in a network namespace of its own, so the ports are free):
+    Triton's ports 8000/8001/8002, ``TritonEncoder("localhost:8000")``
     answers; the console shows the endpoints and the curl line, not Triton's log (which goes to a file)."""
     sealed = served.bundle.parent / "sealed"
-    process, lines = _start_serve([sealed, "--ready-timeout", "240"])
+    process, lines = _start_serve([sealed, "--ready-timeout", "240"], own_network=True)
     try:
         banner = "".join(lines)
         assert "Ctrl-C stops it." in banner, banner[-3000:]
@@ -390,7 +413,7 @@ def test_serve_command_starts_answers_and_stops_on_signal(served):
         http = endpoint["HTTP"]
         curl = next(x for x in lines if x.strip().startswith("try"))
         assert f"curl -s -X POST {http}/v2/models/{served.name}/infer" in curl
-        got = TritonEncoder("localhost:8000").encode(served.texts[:4])
+        got = _in_network_of(process, "TritonEncoder('localhost:8000').encode(TEXTS)", served.texts[:4])
         assert cosines(got, served.want[:4]).min() >= MIN_COSINE
         process.send_signal(signal.SIGTERM)
         rest = process.communicate(timeout=60)[1]
