@@ -1,8 +1,8 @@
-"""Ctrl-C and SIGTERM during a real TensorRT-RTX build (issue 17, item 3): TensorRT swallows what its
-logger callback raises, so an interrupt inside ``build_serialized_network`` was lost and the build, and
-the ``--overwrite`` it was part of, went on. Now the signal is recorded while native code runs, the
-progress monitor cancels the build at its next step, and the interrupt is raised when the builder
-returns: exit 130, the bundle byte-identical, nothing left beside it.
+"""Ctrl-C and SIGTERM during a real TensorRT-RTX build stop it: exit 130, the bundle byte-identical,
+nothing left beside it. TensorRT swallows what its logger callback raises, so a KeyboardInterrupt
+raised inside ``build_serialized_network`` would be lost; the signal is therefore recorded while native
+code runs, the progress monitor cancels the build at its next step, and the interrupt is raised when
+the builder returns.
 
 "Inside the builder" is known, not guessed: the signal is sent when the monitor's first progress line
 ("TensorRT build: ...", written from TensorRT's ``phase_start`` callback) arrives, and the command must

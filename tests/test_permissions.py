@@ -1,7 +1,7 @@
-"""Files get the umask's permissions, as ``open()`` creates them (issue 17, item 4): a bundle exported
+"""Files get the umask's permissions, as ``open()`` creates them: a bundle exported
 by one user is read by another. ``manifest.json``, ``model.plan`` and ``mbert-run embed --output``
-files were temporary files renamed into place, so they kept ``mkstemp``'s 0600 and another user was
-told "not valid JSON ([Errno 13] Permission denied)".
+files are temporary files renamed into place; the temporary file is created as ``open()`` creates one
+(``tempfile.mkstemp`` would make it 0600 whatever the umask, and the rename would keep that).
 
 The other user is ``nobody`` (``setpriv --reuid``, no groups, no capabilities), so the test runs as
 root, as CI does. ``nobody`` must be able to start this interpreter: where it lives under a folder

@@ -1,5 +1,4 @@
-"""Hostile input from the second probe (issue 17, items 5, 6, 7 and 9): every read of a file a bundle
-or a checkpoint names is typed (regular files only, named as what they are otherwise) and bounded
+"""Hostile input: every read of a file a bundle or a checkpoint names is typed (regular files only, named as what they are otherwise) and bounded
 (size and JSON nesting, with the limit in the message), verification on or off; every such input is
 exit 1 with one line, never a hang, never exit 3. A full disk names the file being written.
 
